@@ -1,0 +1,85 @@
+"""The `tandem` command line. Engine flags are generated from `EngineArgs`, so every flag is also an
+`Engine` keyword argument with underscores (`--tp-size 2` -> tp_size=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+
+from tandem.engine.engine import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action="store_true", default=f.default)
+            continue
+        base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+        group.add_argument(flag, type=base[0], default=f.default, metavar=f.name.upper())
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    return {name: getattr(ns, name) for name in EngineArgs.names()}
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from tandem import Engine, SamplingParams
+
+    prompts = ns.prompt or ["def fibonacci(n):"]
+    params = SamplingParams(
+        max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        min_p=ns.min_p, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
+    with Engine(**engine_kwargs(ns)) as engine:
+        outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        if ns.json:
+            record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason, "spec_accept_lengths": out.spec_accept_lengths}
+            print(json.dumps(record))
+        else:
+            print(f"{prompt}{out.text}\n[finish_reason={out.finish_reason}, {len(out.token_ids)} tokens]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

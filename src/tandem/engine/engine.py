@@ -1,0 +1,227 @@
+"""`Engine`: the in-process Python API (DESIGN §2). Validates input, owns the scheduler and the runner,
+and turns scheduler results into `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+from tandem.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig, SpeculativeConfig
+from tandem.models.hf_config import load_model_config
+from tandem.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
+from tandem.scheduler import Scheduler
+from tandem.tokenizer import StopStringDetokenizer, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every `Engine` keyword argument; each is also a CLI flag (`--tp-size` -> tp_size)."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"
+    load_format: str = "safetensors"
+    seed: int = 0
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    page_size: int = 16
+    max_total_tokens: int | None = None  # KV capacity in tokens; None: sized from memory
+    attention_backend: str = "torch"
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    disable_overlap_schedule: bool = False
+    disable_plan_stream: bool = False
+    tp_size: int = 1
+    dp_size: int = 1
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs):
+        unknown = set(kwargs) - set(EngineArgs.names())
+        if unknown:
+            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
+        args = EngineArgs(model_path=model_path, **kwargs)
+        if args.model_path is None:
+            from tandem.demo import demo_model_paths
+
+            args = EngineArgs(**{**args.__dict__, "model_path": demo_model_paths()[0]})
+        if args.tp_size != 1 or args.dp_size != 1:
+            raise NotImplementedError("tp_size/dp_size > 1 are not supported yet")
+        if args.speculative_algorithm is not None:
+            raise NotImplementedError("speculative decoding is not implemented yet")
+        self.args = args
+        self.arch = load_model_config(args.model_path)
+        max_model_len = args.context_length or self.arch.max_position_embeddings
+        if self.arch.sliding_window is not None and max_model_len > self.arch.sliding_window:
+            # Sliding-window attention is not implemented; within the window it is plain attention.
+            logger.warning("capping context length at the model's sliding window (%d)", self.arch.sliding_window)
+            max_model_len = self.arch.sliding_window
+        self.max_model_len = max_model_len
+        device = args.device or default_device()
+        num_pages = None if args.max_total_tokens is None else -(-args.max_total_tokens // args.page_size)
+        self.config = EngineConfig(
+            load=ModelLoadConfig(args.model_path, args.dtype, device, args.load_format, args.seed),
+            cache=CacheConfig(args.page_size, num_pages),
+            scheduler=SchedulerConfig(max_model_len, args.max_running_requests, args.chunked_prefill_size),
+            speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_draft_model_path,
+                                          args.speculative_num_steps, args.speculative_eagle_topk,
+                                          args.speculative_num_draft_tokens),
+            attention_backend=args.attention_backend,
+            disable_overlap_schedule=args.disable_overlap_schedule,
+            disable_plan_stream=args.disable_plan_stream,
+        )
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.eos_token_ids = eos_token_ids(args.model_path, self.arch.eos_token_ids, self.tokenizer)
+        import torch
+
+        from tandem.runtime.model_runner import ModelRunner
+
+        torch.manual_seed(args.seed)
+        self.runner = ModelRunner(self.config, self.arch, max_model_len)
+        capacity = self.runner.num_pages * args.page_size
+        if capacity < self.max_model_len:
+            # A request longer than the whole pool could never be scheduled, even alone.
+            logger.warning("context length capped at the KV pool size (%d tokens)", capacity)
+            self.max_model_len = capacity
+            self.config = dataclasses.replace(
+                self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
+        self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages)
+        self._ids = itertools.count()
+        self._detok: dict[str, StopStringDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        input_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs the prompts (text, or token ids) to completion; one output per prompt, in order."""
+        token_lists = self._prompt_token_ids(prompts, input_ids)
+        params = self._params_per_prompt(sampling_params, len(token_lists))
+        for ids in token_lists:  # validate everything before adding anything
+            self.validate_prompt(ids)
+        rids = [self.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    def validate_prompt(self, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, the context length is {self.max_model_len} "
+                             "(prompt plus at least one new token must fit)")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        self.validate_prompt(prompt_token_ids)
+        params.validate()
+        rid = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add_request(Request(rid, list(prompt_token_ids), params, self.eos_token_ids))
+        self._detok[rid] = StopStringDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._logprobs[rid] = []
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._forget(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        update = self.scheduler.update(result.sampled)
+        finished = list(update.finished)
+        for rid, new_ids in update.new_token_ids.items():
+            if rid in result.logprobs:
+                self._logprobs[rid].extend(result.logprobs[rid][: len(new_ids)])
+            req = self.scheduler.get_request(rid)
+            if req is not None and not req.is_finished and self._detok[rid].update(req.output_token_ids):
+                finished.append(self.scheduler.finish_request(rid, FinishReason.STOP))
+        return [self._final_output(req) for req in finished]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _prompt_token_ids(self, prompts, input_ids) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts or input_ids")
+        if input_ids is not None:
+            return [list(ids) for ids in input_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.args.model_path!r} has no tokenizer; pass input_ids")
+        for p in prompts:
+            if not isinstance(p, str):
+                raise ValueError(f"prompts must be strings (got {type(p).__name__})")
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+        return list(sampling_params)
+
+    def _final_output(self, req: Request) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        if not detok.stopped:
+            detok.update(req.output_token_ids)
+        logprobs = self._logprobs[req.request_id] if req.sampling_params.logprobs is not None else None
+        self._forget(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=detok.text,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            logprobs=logprobs,
+            spec_accept_lengths=list(req.spec_accept_lengths),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._logprobs.pop(request_id, None)

@@ -1,0 +1,136 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as plain `nn.Module`s.
+
+Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are stored merged
+(`qkv_proj`, `gate_up_proj`); `PACKED_MODULES` tells the loader where each checkpoint tensor goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tandem.layers.attention.base import AttentionBackend
+from tandem.layers.linear import Linear, MergedLinear, default_weight_loader
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.hf_config import ModelArchConfig
+
+# checkpoint name fragment -> (our parameter's name fragment, shard id)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+@dataclass
+class StepContext:
+    """Everything a forward pass needs besides the tokens; passed explicitly, never global."""
+
+    backend: AttentionBackend
+    metadata: object  # from backend.plan()
+    k_caches: list[torch.Tensor]  # per layer [num_slots, kv_heads, D]
+    v_caches: list[torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotation
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary  # shared by all layers; not a parameter
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(
+            q, k, v, ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id], ctx.metadata, self.scale
+        )
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, ctx):
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        ctx: StepContext,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final hidden states [N, H] (after the last norm) and, for each id in
+        `aux_layer_ids`, the residual stream entering that layer (EAGLE-3's auxiliary states)."""
+        x = self.model.embed_tokens(input_ids)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                aux.append(x)
+            x = layer(positions, x, ctx)
+        return self.model.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)

@@ -1,0 +1,147 @@
+"""Requests as the CPU side sees them: sampling parameters, request state, outputs.
+
+Nothing here imports torch: the scheduler works on these objects alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller (or the client went away)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. Field names follow SGLang / vLLM."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # None: no logprobs; 0: logprob of the chosen token; n>0: also the top-n alternatives
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (-1 or 0 disables it)")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class Request:
+    """One generation request and its progress. Owned by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    # How many tokens of prompt+output already have their KV in the cache.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    page_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Tokens produced per verify step (speculative decoding); its mean is tau.
+    spec_accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What `Engine.generate` returns for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    spec_accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length_mean(self) -> float | None:
+        if not self.spec_accept_lengths:
+            return None
+        return sum(self.spec_accept_lengths) / len(self.spec_accept_lengths)

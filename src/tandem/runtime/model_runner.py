@@ -1,0 +1,144 @@
+"""Runs one scheduled step of the target model: builds the flat batch, plans attention, forwards,
+samples. Takes a `SchedulerOutput`, returns a `StepResult`; holds no scheduling logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.kv_cache import KVCache
+from tandem.layers.attention.base import AttentionBatch
+from tandem.layers.attention.torch_backend import TorchAttentionBackend
+from tandem.layers.sampler import SampleRow, sample
+from tandem.models.hf_config import ModelArchConfig
+from tandem.models.llama import StepContext
+from tandem.models.registry import build_target_model
+from tandem.request import TokenLogprob
+from tandem.scheduler.outputs import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on a CPU when none is given
+GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading weights
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass
+class FlatBatch:
+    """One step's tokens laid out request by request, plus where to sample."""
+
+    input_ids: list[int]
+    positions: list[int]
+    attention: AttentionBatch
+    sample_index: list[int]  # row of the flat batch whose logits give each sampled request's token
+    sample_request_ids: list[str]
+    sample_rows: list[SampleRow]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, max_model_len: int):
+        self.config = config
+        self.arch = arch
+        self.device = torch.device(config.load.device)
+        self.page_size = config.cache.page_size
+        self.model = build_target_model(config.load, arch, max_positions=max_model_len)
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.num_pages = config.cache.num_pages or self._pages_that_fit()
+        self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, arch.num_kv_heads,
+                                arch.head_dim, self.dtype, self.device)
+        self.backend = TorchAttentionBackend()
+        # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
+        self.histories: dict[str, list[int]] = {}
+        logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
+
+    def _pages_that_fit(self) -> int:
+        per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.arch.num_kv_heads,
+                                          self.arch.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_MEMORY_FRACTION)
+            return max(1, budget // per_page)
+        # On a CPU, no more than every running request at full length needs (zeroed memory is slow).
+        sched = self.config.scheduler
+        needed = sched.max_num_seqs * -(-sched.max_model_len // self.page_size)
+        return max(1, min(CPU_KV_CACHE_BYTES // per_page, needed))
+
+    def drop_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            self.histories.pop(rid, None)
+
+    def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
+        input_ids, positions, slots = [], [], []
+        query_lens, seq_lens, page_tables = [], [], []
+        sample_index, sample_ids, rows = [], [], []
+        ps = self.page_size
+        for chunk in sched.chunks:
+            n = len(chunk.token_ids)
+            history = self.histories.setdefault(chunk.request_id, [])
+            if chunk.start_pos == 0:
+                history.clear()  # first chunk, or recompute after preemption
+            assert len(history) == chunk.start_pos, "runner history out of step with the scheduler"
+            history.extend(chunk.token_ids)
+            pos = range(chunk.start_pos, chunk.start_pos + n)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(pos)
+            slots.extend(chunk.page_ids[p // ps] * ps + p % ps for p in pos)
+            query_lens.append(n)
+            seq_lens.append(chunk.start_pos + n)
+            page_tables.append(list(chunk.page_ids))
+            if chunk.sample:
+                sample_index.append(len(input_ids) - 1)
+                sample_ids.append(chunk.request_id)
+                rows.append(SampleRow(chunk.sampling_params, history[: chunk.num_prompt_tokens],
+                                      history[chunk.num_prompt_tokens:]))
+        attention = AttentionBatch(query_lens, seq_lens, slots, page_tables, ps)
+        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.drop_requests(sched.preempted_ids)
+        self.drop_requests(sched.finished_ids)
+        if not sched.chunks:
+            return StepResult()
+        batch = self.build_batch(sched)
+        hidden = self.forward(batch)
+        result = StepResult()
+        if not batch.sample_index:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
+        out = sample(logits, batch.sample_rows)
+        token_ids = out.token_ids.tolist()
+        for i, rid in enumerate(batch.sample_request_ids):
+            result.sampled[rid] = [token_ids[i]]
+        if out.logprobs is not None:
+            self._collect_logprobs(out, batch, token_ids, result)
+        return result
+
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        metadata = self.backend.plan(batch.attention, self.device)
+        ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        hidden, _ = self.model(input_ids, positions, ctx)
+        return hidden
+
+    @staticmethod
+    def _collect_logprobs(out, batch: FlatBatch, token_ids: list[int], result: StepResult) -> None:
+        chosen = out.logprobs.tolist()
+        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+        top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, (rid, row) in enumerate(zip(batch.sample_request_ids, batch.sample_rows)):
+            n = row.params.logprobs
+            if n is None:
+                continue
+            top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
+            result.logprobs[rid] = [TokenLogprob(token_ids[i], chosen[i], top)]

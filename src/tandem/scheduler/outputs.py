@@ -1,0 +1,58 @@
+"""Typed data that crosses the scheduler's boundary (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The tokens of one request that the model runs this step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    start_pos: int  # == request.num_computed_tokens before this step; position of token_ids[0]
+    page_ids: tuple[int, ...]  # every page of the request after this step's allocation
+    num_prompt_tokens: int  # len(original prompt); tokens after it are outputs (for penalties)
+    sampling_params: SamplingParams
+    sample: bool  # the chunk reaches the end of the known sequence, so a token is sampled after it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to run this step, plus the requests whose runner state must be dropped."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    # Retracted this step: their KV is gone; they come back later as a fresh prefill.
+    preempted_ids: tuple[str, ...] = ()
+    # Finished or aborted since the previous schedule().
+    finished_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing to drop: the runner can skip this step entirely."""
+        return not self.chunks and not self.preempted_ids and not self.finished_ids
+
+
+@dataclass
+class SchedulerUpdate:
+    """What `Scheduler.update` did with the sampled tokens."""
+
+    # Per request: the tokens actually appended (after truncation at a stop condition).
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that finished in this update (status FINISHED, finish_reason set, pages freed).
+    finished: list[Request] = field(default_factory=list)
