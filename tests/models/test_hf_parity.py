@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem import Engine, SamplingParams
-from tandem.layers.attention.base import AttentionBatch
+from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.runtime.model_runner import FlatBatch
 from tests.models.tiny_checkpoints import FAMILIES, checkpoint_dir, prompts
 
@@ -23,17 +23,17 @@ def _prefill_logits(engine, token_lists):
     """All prompts in one forward pass over the paged cache; logits of every position, per prompt."""
     runner = engine.runner
     ps = runner.page_size
-    input_ids, positions, slots, page_tables = [], [], [], []
+    input_ids, positions, slots, kv_slots = [], [], [], []
     next_page = 0
     for ids in token_lists:
         pages = list(range(next_page, next_page + -(-len(ids) // ps)))
         next_page += len(pages)
-        page_tables.append(pages)
         input_ids += ids
         positions += range(len(ids))
-        slots += [pages[p // ps] * ps + p % ps for p in range(len(ids))]
+        kv_slots.append(positions_to_slots(pages, range(len(ids)), ps))
+        slots += kv_slots[-1]
     lens = [len(ids) for ids in token_lists]
-    batch = FlatBatch(input_ids, positions, AttentionBatch(lens, lens, slots, page_tables, ps), [], [], [])
+    batch = FlatBatch(input_ids, positions, AttentionBatch(lens, kv_slots, slots), [], [], [])
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.forward(batch))
     return logits.split(lens)

@@ -68,8 +68,9 @@ class Engine:
             args = EngineArgs(**{**args.__dict__, "model_path": demo_model_paths()[0]})
         if args.tp_size != 1 or args.dp_size != 1:
             raise NotImplementedError("tp_size/dp_size > 1 are not supported yet")
-        if args.speculative_algorithm is not None:
-            raise NotImplementedError("speculative decoding is not implemented yet")
+        if args.speculative_algorithm is not None and args.speculative_draft_model_path is None:
+            raise ValueError(f"speculative_algorithm={args.speculative_algorithm!r} needs "
+                             "speculative_draft_model_path")
         self.args = args
         self.arch = load_model_config(args.model_path)
         max_model_len = args.context_length or self.arch.max_position_embeddings
@@ -106,7 +107,11 @@ class Engine:
             self.max_model_len = capacity
             self.config = dataclasses.replace(
                 self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
-        self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages)
+        spec = self.config.speculative
+        # Room past a decode for the verify tree and the draft's scratch nodes (DESIGN §3).
+        lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk) if spec.algorithm else 0
+        self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
+                                   num_lookahead_tokens=lookahead)
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -161,13 +166,30 @@ class Engine:
         result = self.runner.execute(sched)
         update = self.scheduler.update(result.sampled)
         finished = list(update.finished)
+        for rid, k in result.accept_lengths.items():
+            req = self.scheduler.get_request(rid) or next((r for r in finished if r.request_id == rid), None)
+            if req is not None:
+                req.spec_accept_lengths.append(k)
         for rid, new_ids in update.new_token_ids.items():
             if rid in result.logprobs:
                 self._logprobs[rid].extend(result.logprobs[rid][: len(new_ids)])
             req = self.scheduler.get_request(rid)
-            if req is not None and not req.is_finished and self._detok[rid].update(req.output_token_ids):
+            if req is not None and self._hit_stop_string(req, len(new_ids)):
                 finished.append(self.scheduler.finish_request(rid, FinishReason.STOP))
         return [self._final_output(req) for req in finished]
+
+    def _hit_stop_string(self, req: Request, num_new: int) -> bool:
+        """Checks each newly appended token in turn (a speculative step appends several), and cuts
+        the output right after the token that completed a stop string, as plain decoding would."""
+        detok = self._detok[req.request_id]
+        if not detok.stop:
+            return False
+        out = req.output_token_ids
+        for m in range(len(out) - num_new + 1, len(out) + 1):
+            if detok.update(out[:m]):
+                del out[m:]
+                return True
+        return False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -210,7 +232,9 @@ class Engine:
         detok = self._detok[req.request_id]
         if not detok.stopped:
             detok.update(req.output_token_ids)
-        logprobs = self._logprobs[req.request_id] if req.sampling_params.logprobs is not None else None
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = self._logprobs[req.request_id][: len(req.output_token_ids)]
         self._forget(req.request_id)
         return RequestOutput(
             request_id=req.request_id,

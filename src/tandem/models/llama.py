@@ -39,13 +39,15 @@ class StepContext:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding, in_features: int | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
+        # in_features differs from hidden_size only in EAGLE-3's draft layer (embedding and hidden side by side).
+        self.qkv_proj = MergedLinear(in_features or cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotation
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -121,12 +123,13 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [N, H] (after the last norm) and, for each id in
         `aux_layer_ids`, the residual stream entering that layer (EAGLE-3's auxiliary states)."""
         x = self.model.embed_tokens(input_ids)
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layer_ids:
-                aux.append(x)
+                captured[i] = x
             x = layer(positions, x, ctx)
-        return self.model.norm(x), aux
+        captured[len(self.model.layers)] = x  # "entering layer L" = the last layer's output
+        return self.model.norm(x), [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -49,20 +49,42 @@ def checkpoint_files(model_path: str) -> list[str]:
         return [os.path.join(model_path, n) for n in names]
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path!r}")
+        # Many public EAGLE heads ship only a pickled state dict.
+        files = sorted(glob.glob(os.path.join(model_path, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {model_path!r}")
     return files
 
 
 def iter_checkpoint(model_path: str, desc: str = "loading weights"):
     """Yields (name, tensor) for every tensor of the checkpoint, with a progress bar."""
     files = checkpoint_files(model_path)
-    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+    handles = [_open(f) for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc=desc, unit="tensor", leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
                 bar.update(1)
+
+
+class _PickledCheckpoint:
+    """A `pytorch_model.bin` read lazily through mmap, with the safetensors handle's two methods."""
+
+    def __init__(self, path: str):
+        self.state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+    def keys(self):
+        return list(self.state.keys())
+
+    def get_tensor(self, name):
+        return self.state[name]
+
+
+def _open(path: str):
+    if path.endswith(".bin"):
+        return _PickledCheckpoint(path)
+    return safe_open(path, framework="pt", device="cpu")
 
 
 def load_weights(

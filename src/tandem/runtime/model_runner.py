@@ -11,12 +11,16 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.kv_cache import KVCache
-from tandem.layers.attention.base import AttentionBatch
+from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.layers.sampler import SampleRow, sample
 from tandem.models.hf_config import ModelArchConfig
 from tandem.models.llama import StepContext
+from tandem.models.draft_registry import build_draft_model
+from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
+from tandem.spec.drafter import Drafter
+from tandem.spec.worker import SpecWorker
 from tandem.request import TokenLogprob
 from tandem.scheduler.outputs import SchedulerOutput
 
@@ -30,6 +34,7 @@ GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading weights
 class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
 
 
 @dataclass
@@ -50,19 +55,36 @@ class ModelRunner:
         self.arch = arch
         self.device = torch.device(config.load.device)
         self.page_size = config.cache.page_size
-        self.model = build_target_model(config.load, arch, max_positions=max_model_len)
+        spec = config.speculative
+        # Verification runs rope up to num_draft_tokens past the last real position.
+        max_positions = max_model_len + (spec.num_draft_tokens + spec.num_steps * spec.eagle_topk
+                                         if spec.algorithm else 0)
+        self.model = build_target_model(config.load, arch, max_positions=max_positions)
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        self.num_pages = config.cache.num_pages or self._pages_that_fit()
+        draft = None
+        if spec.algorithm is not None:
+            draft = build_draft_model(spec.algorithm, spec.draft_model_path, self.model, config.load, max_positions)
+        self.num_pages = config.cache.num_pages or self._pages_that_fit(draft)
         self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, arch.num_kv_heads,
                                 arch.head_dim, self.dtype, self.device)
         self.backend = TorchAttentionBackend()
+        self.spec = None
+        if draft is not None:
+            attn = _first_attention(draft)
+            drafter = Drafter(draft, self.backend, self.page_size, self.num_pages, spec.eagle_topk, spec.num_steps,
+                              attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+            self.spec = SpecWorker(self, drafter, spec.num_draft_tokens)
         # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
         self.histories: dict[str, list[int]] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
 
-    def _pages_that_fit(self) -> int:
+    def _pages_that_fit(self, draft) -> int:
         per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.arch.num_kv_heads,
                                           self.arch.head_dim, self.dtype)
+        if draft is not None:
+            attn = _first_attention(draft)
+            per_page += KVCache.bytes_per_page(draft.num_kv_layers, self.page_size, attn.num_kv_heads,
+                                               attn.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_MEMORY_FRACTION)
@@ -76,39 +98,52 @@ class ModelRunner:
         for rid in request_ids:
             self.histories.pop(rid, None)
 
+    def record_history(self, chunk) -> None:
+        history = self.histories.setdefault(chunk.request_id, [])
+        if chunk.start_pos == 0:
+            history.clear()  # first chunk, or recompute after preemption
+        assert len(history) == chunk.start_pos, "runner history out of step with the scheduler"
+        history.extend(chunk.token_ids)
+
+    def sample_row(self, chunk) -> SampleRow:
+        history = self.histories[chunk.request_id]
+        return SampleRow(chunk.sampling_params, history[: chunk.num_prompt_tokens], history[chunk.num_prompt_tokens:])
+
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, page_tables = [], [], []
+        query_lens, kv_slots = [], []
         sample_index, sample_ids, rows = [], [], []
         ps = self.page_size
         for chunk in sched.chunks:
             n = len(chunk.token_ids)
-            history = self.histories.setdefault(chunk.request_id, [])
-            if chunk.start_pos == 0:
-                history.clear()  # first chunk, or recompute after preemption
-            assert len(history) == chunk.start_pos, "runner history out of step with the scheduler"
-            history.extend(chunk.token_ids)
+            self.record_history(chunk)
             pos = range(chunk.start_pos, chunk.start_pos + n)
             input_ids.extend(chunk.token_ids)
             positions.extend(pos)
-            slots.extend(chunk.page_ids[p // ps] * ps + p % ps for p in pos)
+            seq_slots = positions_to_slots(chunk.page_ids, range(chunk.start_pos + n), ps)
+            slots.extend(seq_slots[chunk.start_pos:])
             query_lens.append(n)
-            seq_lens.append(chunk.start_pos + n)
-            page_tables.append(list(chunk.page_ids))
+            kv_slots.append(seq_slots)
             if chunk.sample:
                 sample_index.append(len(input_ids) - 1)
                 sample_ids.append(chunk.request_id)
-                rows.append(SampleRow(chunk.sampling_params, history[: chunk.num_prompt_tokens],
-                                      history[chunk.num_prompt_tokens:]))
-        attention = AttentionBatch(query_lens, seq_lens, slots, page_tables, ps)
+                rows.append(self.sample_row(chunk))
+        attention = AttentionBatch(query_lens, kv_slots, slots)
         return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         self.drop_requests(sched.preempted_ids)
         self.drop_requests(sched.finished_ids)
+        if self.spec is not None:
+            self.spec.drop_requests(sched.preempted_ids)
+            self.spec.drop_requests(sched.finished_ids)
         if not sched.chunks:
             return StepResult()
+        if self.spec is not None:
+            result = StepResult()
+            self.spec.execute(sched, result)
+            return result
         batch = self.build_batch(sched)
         hidden = self.forward(batch)
         result = StepResult()
@@ -120,7 +155,7 @@ class ModelRunner:
         for i, rid in enumerate(batch.sample_request_ids):
             result.sampled[rid] = [token_ids[i]]
         if out.logprobs is not None:
-            self._collect_logprobs(out, batch, token_ids, result)
+            self.collect_logprobs(out, batch.sample_request_ids, batch.sample_rows, token_ids, result)
         return result
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -132,13 +167,18 @@ class ModelRunner:
         return hidden
 
     @staticmethod
-    def _collect_logprobs(out, batch: FlatBatch, token_ids: list[int], result: StepResult) -> None:
+    def collect_logprobs(out, request_ids, rows, token_ids: list[int], result: StepResult) -> None:
         chosen = out.logprobs.tolist()
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for i, (rid, row) in enumerate(zip(batch.sample_request_ids, batch.sample_rows)):
+        for i, (rid, row) in enumerate(zip(request_ids, rows)):
             n = row.params.logprobs
             if n is None:
                 continue
             top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
             result.logprobs[rid] = [TokenLogprob(token_ids[i], chosen[i], top)]
+
+
+def _first_attention(model) -> LlamaAttention:
+    """The draft's attention geometry (its KV cache shape)."""
+    return next(m for m in model.modules() if isinstance(m, LlamaAttention))

@@ -16,16 +16,29 @@ import torch
 
 @dataclass
 class AttentionBatch:
-    """What attention needs to know about one step, as plain CPU lists (built by the runner)."""
+    """What attention needs to know about one step, as plain CPU lists (built by the runner).
 
-    query_lens: list[int]  # new tokens per request
-    seq_lens: list[int]  # KV length per request after this step (cached + new)
-    slot_mapping: list[int]  # cache slot of every new token, in batch order
-    page_tables: list[list[int]]  # pages of each request, in order
-    page_size: int
-    # Optional [query_len, seq_len] boolean mask per request (True = may attend), replacing the
-    # causal rule; used by tree verification, where drafts attend to their ancestors only.
-    custom_masks: list[torch.Tensor] | None = None
+    A row is a run of query tokens that share one KV sequence: a prefill chunk, a decode token, a
+    verify tree, or one draft-tree node. `kv_slots[r]` lists the cache slots of row r's whole KV
+    sequence in attention order (the row's own new tokens included), so rows may see any subset
+    of the cache, not only a contiguous prefix.
+    """
+
+    query_lens: list[int]  # new tokens per row
+    kv_slots: list[list[int]]  # cache slot of every KV entry each row attends over
+    slot_mapping: list[int]  # cache slot where each new token's k/v is written, in batch order
+    # Optional [query_len, kv_len] boolean mask per row (True = may attend), replacing the causal
+    # rule (query i sees KV entries up to kv_len - query_len + i); tree verification uses it.
+    custom_masks: list[torch.Tensor | None] | None = None
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [len(s) for s in self.kv_slots]
+
+
+def positions_to_slots(pages, positions, page_size: int) -> list[int]:
+    """Cache slots of token positions in a request whose pages are `pages`."""
+    return [pages[p // page_size] * page_size + p % page_size for p in positions]
 
 
 class AttentionBackend(ABC):

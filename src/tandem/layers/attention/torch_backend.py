@@ -18,34 +18,34 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot of each new token
     query_index: torch.Tensor  # [B, Lq] row of the flat token list for (request, i); padding -> 0
     query_valid: torch.Tensor  # [B, Lq] bool
-    kv_slots: torch.Tensor  # [B, Lkv] cache slot of KV position j of request b; padding -> 0
+    kv_slots: torch.Tensor  # [B, Lkv] cache slot of KV entry j of row b; padding -> 0
     mask: torch.Tensor  # [B, 1, Lq, Lkv] bool, True = attend
 
 
 class TorchAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
-        num_reqs = len(batch.query_lens)
+        num_rows = len(batch.query_lens)
         max_q = max(batch.query_lens)
-        max_kv = max(batch.seq_lens)
-        query_index = torch.zeros(num_reqs, max_q, dtype=torch.long)
-        query_valid = torch.zeros(num_reqs, max_q, dtype=torch.bool)
-        kv_slots = torch.zeros(num_reqs, max_kv, dtype=torch.long)
-        mask = torch.zeros(num_reqs, 1, max_q, max_kv, dtype=torch.bool)
+        max_kv = max(len(s) for s in batch.kv_slots)
+        query_index = torch.zeros(num_rows, max_q, dtype=torch.long)
+        query_valid = torch.zeros(num_rows, max_q, dtype=torch.bool)
+        kv_slots = torch.zeros(num_rows, max_kv, dtype=torch.long)
+        mask = torch.zeros(num_rows, 1, max_q, max_kv, dtype=torch.bool)
         # Padded query rows attend to KV 0 only, so softmax never sees an all-masked row (NaN).
         mask[:, 0, :, 0] = True
         offset = 0
-        for b, (q_len, kv_len, pages) in enumerate(zip(batch.query_lens, batch.seq_lens, batch.page_tables)):
-            query_index[b, :q_len] = torch.arange(offset, offset + q_len)
-            query_valid[b, :q_len] = True
-            pos = torch.arange(kv_len)
-            page_ids = torch.tensor(pages, dtype=torch.long)
-            kv_slots[b, :kv_len] = page_ids[pos // batch.page_size] * batch.page_size + pos % batch.page_size
-            if batch.custom_masks is not None and batch.custom_masks[b] is not None:
-                mask[b, 0, :q_len, :kv_len] = batch.custom_masks[b]
+        for r, (q_len, slots) in enumerate(zip(batch.query_lens, batch.kv_slots)):
+            kv_len = len(slots)
+            query_index[r, :q_len] = torch.arange(offset, offset + q_len)
+            query_valid[r, :q_len] = True
+            kv_slots[r, :kv_len] = torch.tensor(slots, dtype=torch.long)
+            custom = batch.custom_masks[r] if batch.custom_masks is not None else None
+            if custom is not None:
+                mask[r, 0, :q_len, :kv_len] = custom
             else:
-                # Query i sits at position kv_len - q_len + i and sees everything up to itself.
-                q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-                mask[b, 0, :q_len, :kv_len] = pos.unsqueeze(0) <= q_pos
+                # Query i sits at KV index kv_len - q_len + i and sees everything up to itself.
+                q_at = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+                mask[r, 0, :q_len, :kv_len] = torch.arange(kv_len).unsqueeze(0) <= q_at
             offset += q_len
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long).to(device),
