@@ -145,3 +145,20 @@ class RequestOutput:
         if not self.spec_accept_lengths:
             return None
         return sum(self.spec_accept_lengths) / len(self.spec_accept_lengths)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step added to one request (for streaming)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set on the request's last delta
+    accept_length: int | None = None  # speculative: tokens this verify step produced
+
+
+@dataclass
+class StepOutput:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)

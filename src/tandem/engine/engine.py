@@ -12,7 +12,7 @@ from typing import Sequence
 
 from tandem.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig, SpeculativeConfig
 from tandem.models.hf_config import load_model_config
-from tandem.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
+from tandem.request import FinishReason, Request, RequestDelta, RequestOutput, SamplingParams, StepOutput, TokenLogprob
 from tandem.scheduler import Scheduler
 from tandem.tokenizer import StopStringDetokenizer, eos_token_ids, load_tokenizer
 
@@ -131,7 +131,7 @@ class Engine:
         rids = [self.add_request(ids, p) for ids, p in zip(token_lists, params)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(rids):
-            for out in self.step():
+            for out in self.step().finished:
                 done[out.request_id] = out
         return [done[r] for r in rids]
 
@@ -160,23 +160,33 @@ class Engine:
         if req is not None:
             self._forget(request_id)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the requests that finished in it."""
+    def step(self) -> StepOutput:
+        """One engine iteration: the new tokens of every request that got some, and the requests
+        that finished in it (complete outputs)."""
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         update = self.scheduler.update(result.sampled)
         finished = list(update.finished)
-        for rid, k in result.accept_lengths.items():
-            req = self.scheduler.get_request(rid) or next((r for r in finished if r.request_id == rid), None)
-            if req is not None:
-                req.spec_accept_lengths.append(k)
+        by_id = {r.request_id: r for r in finished}
+        out = StepOutput()
         for rid, new_ids in update.new_token_ids.items():
+            req = self.scheduler.get_request(rid) or by_id[rid]
+            accept_len = result.accept_lengths.get(rid)
+            if accept_len is not None:
+                req.spec_accept_lengths.append(accept_len)
+            before = len(req.output_token_ids) - len(new_ids)
+            if not req.is_finished and self._hit_stop_string(req, len(new_ids)):
+                self.scheduler.finish_request(rid, FinishReason.STOP)
+                finished.append(req)
+                new_ids = req.output_token_ids[before:]  # cut after the stop string
+            new_logprobs = None
             if rid in result.logprobs:
-                self._logprobs[rid].extend(result.logprobs[rid][: len(new_ids)])
-            req = self.scheduler.get_request(rid)
-            if req is not None and self._hit_stop_string(req, len(new_ids)):
-                finished.append(self.scheduler.finish_request(rid, FinishReason.STOP))
-        return [self._final_output(req) for req in finished]
+                new_logprobs = result.logprobs[rid][: len(new_ids)]
+                self._logprobs[rid].extend(new_logprobs)
+            out.deltas.append(RequestDelta(rid, list(new_ids), new_logprobs,
+                                           req.finish_reason.value if req.is_finished else None, accept_len))
+        out.finished = [self._final_output(req) for req in finished]
+        return out
 
     def _hit_stop_string(self, req: Request, num_new: int) -> bool:
         """Checks each newly appended token in turn (a speculative step appends several), and cuts
