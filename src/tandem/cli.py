@@ -51,6 +51,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from tandem.server.launch import ServerArgs, run_server
+
+    args = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
+                      max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
+                      log_level=ns.log_level)
+    return run_server(args, engine_kwargs(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -68,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the path)")
+    srv.add_argument("--max-queued-requests", type=int, default=None,
+                     help="answer 503 when this many requests are waiting for their first token")
+    srv.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

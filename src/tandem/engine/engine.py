@@ -128,7 +128,17 @@ class Engine:
         params = self._params_per_prompt(sampling_params, len(token_lists))
         for ids in token_lists:  # validate everything before adding anything
             self.validate_prompt(ids)
-        rids = [self.add_request(ids, p) for ids, p in zip(token_lists, params)]
+        rids: list[str] = []
+        try:
+            for ids, p in zip(token_lists, params):
+                rids.append(self.add_request(ids, p))
+        except Exception:
+            # A bad request (e.g. invalid SamplingParams) must not leave the ones before it queued:
+            # they would hold KV pages, and the next generate() would count their outputs as its own
+            # and fail with a KeyError.
+            for rid in rids:
+                self.abort(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(rids):
             for out in self.step().finished:

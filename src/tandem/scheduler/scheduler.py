@@ -126,7 +126,7 @@ class Scheduler:
             req = self.waiting[0]
             n = min(req.num_tokens, budget)  # a waiting request has nothing computed
             if not self._allocate(req, n):
-                self.waiting.rotate(-1); continue  # first come, first served: nobody overtakes the head of the queue
+                break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

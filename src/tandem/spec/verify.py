@@ -158,7 +158,8 @@ def _result(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> AcceptResult:
     path.scatter_(1, column, torch.arange(num_nodes, device=device).expand(batch, -1))
     path = path[:, :width]
 
-    drafted = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)  # [B, D]
-    out_tokens = torch.cat([drafted, torch.full_like(drafted[:, :1], -1)], dim=1)  # [B, D+1]
+    out_tokens = torch.full((batch, width), -1, dtype=torch.long, device=device)  # [B, D+1]
+    drafted = path[:, 1:]  # [B, D]
+    out_tokens[:, :-1] = torch.where(drafted >= 0, tree.tokens.gather(1, drafted.clamp(min=0)), -1)
     out_tokens.scatter_(1, (accept_lens - 1)[:, None], bonus[:, None].long())
     return AcceptResult(accept_lens=accept_lens, path=path, out_tokens=out_tokens)

@@ -1,0 +1,147 @@
+"""Typed messages between the HTTP front end and the engine core process (DESIGN §3).
+
+Two ZMQ PUSH/PULL pipes over `ipc://`: the front end pushes `AddRequest` / `AbortRequest` /
+`Shutdown` to the core; the core pushes `CoreReady`, `CoreOutputs` (token deltas plus a stats
+snapshot, once per engine step), `RequestRejected` and `CoreFailed` back. Every message is a
+dataclass; on the wire it is msgpack of `[class name, {field: value}]`, nested dataclasses as dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from tandem.request import SamplingParams, TokenLogprob
+
+# ---- front end -> core ------------------------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- core -> front end ------------------------------------------------------------------------
+
+
+@dataclass
+class CoreReady:
+    pid: int
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    speculative_algorithm: str | None
+
+
+@dataclass
+class TokenDelta:
+    """What one engine step added to one request (tokens only: the front end detokenizes)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set on the request's last delta
+    accept_length: int | None = None  # speculative: tokens this verify step produced
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative since the core started (a copy of `SpecWorker.stats`)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    mean_accept_length: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    spec: SpecCounters | None = None
+
+
+@dataclass
+class CoreOutputs:
+    deltas: list[TokenDelta]
+    stats: EngineStats
+
+
+@dataclass
+class RequestRejected:
+    """`Engine.add_request` raised ValueError (the front end answers 400 with the message)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class CoreFailed:
+    """The core hit an unexpected error and is exiting."""
+
+    message: str
+
+
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, AbortRequest, Shutdown, CoreReady, CoreOutputs,
+                                          RequestRejected, CoreFailed)}
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb([type(msg).__name__, _plain(msg)], use_bin_type=True)
+
+
+def decode(data: bytes):
+    name, body = msgpack.unpackb(data, raw=False)
+    return _build(MESSAGES[name], body)
+
+
+def _plain(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _build(tp, value):
+    """Rebuilds a value of type `tp` from its plain form; only dataclasses need rebuilding."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(args[0], value) if len(args) == 1 else value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [_build(item, v) for v in value]
+    if dataclasses.is_dataclass(tp):
+        hints = _hints(tp)
+        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
+    return value

@@ -1,0 +1,146 @@
+"""The FastAPI app: routes, API key, body size limit, and errors in the OpenAI shape.
+
+Request bodies are read and validated here (not by FastAPI's automatic parsing) so that every
+failure is a 400/413 in the OpenAI error shape naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.server.engine_client import EngineClient
+from tandem.server.errors import OpenAIError, bad_request, from_validation_error
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
+              max_queued_requests: int | None = None, max_request_bytes: int = 16 << 20,
+              on_ready=None) -> FastAPI:
+    """`client` is started by the app's lifespan (and shut down with it); `on_ready(info)` is
+    called once the engine core is up."""
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        info = await client.start()
+        metrics = ServerMetrics(lambda: client.stats, lambda: client.alive, info.speculative_algorithm is not None)
+        state["metrics"] = metrics
+        state["serving"] = OpenAIServing(client, metrics, tokenizer, model_name, max_queued_requests)
+        if on_ready is not None:
+            on_ready(info)
+        try:
+            yield
+        finally:
+            logger.info("shutting down: stopping the engine core")
+            await client.shutdown()
+
+    app = FastAPI(title="tandem", lifespan=lifespan)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                              code="invalid_api_key")
+
+    async def read_body(request: Request, model: type[BaseModel]):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            raise _too_large(int(length), max_request_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise _too_large(size, max_request_bytes)
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    @app.get("/health")
+    async def health():
+        if not client.alive:
+            raise OpenAIError(503, f"the engine is not available: {client.dead_reason or 'not running'}",
+                              code="engine_unavailable")
+        return {"status": "ok", "model": model_name, "engine_pid": client.process.pid}
+
+    api = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @api.get("/metrics")
+    async def metrics():
+        return Response(state["metrics"].render(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(model_name, client)]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(model: str):
+        state["serving"].check_model(model)
+        return _model_card(model_name, client)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read_body(request, CompletionRequest)
+        return await state["serving"].completions(req, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read_body(request, ChatCompletionRequest)
+        return await state["serving"].chat(req, request)
+
+    app.include_router(api)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        err = bad_request(str(e.errors()[0].get("msg", e)) if e.errors() else str(e))
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(OpenAIError(500, f"internal server error: {type(e).__name__}").body(), status_code=500)
+
+    return app
+
+
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body has {size} bytes or more; the limit is {limit} bytes "
+                            "(--max-request-bytes)", code="request_too_large")
+
+
+def _model_card(model_name: str, client: EngineClient) -> dict:
+    return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
+            "max_model_len": client.info.max_model_len if client.info else None}

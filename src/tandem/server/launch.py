@@ -1,0 +1,76 @@
+"""`tandem serve`: starts the engine core process, then the HTTP front end (uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+GRACEFUL_SHUTDOWN_S = 5  # open connections get this long after SIGTERM / Ctrl-C
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model path (or "tandem-demo")
+    max_queued_requests: int | None = None  # requests sent to the engine with no token back yet
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535] (got {self.port})")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 (got {self.max_queued_requests})")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1 (got {self.max_request_bytes})")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
+    """Serves until SIGTERM / Ctrl-C; returns the exit status."""
+    import uvicorn
+
+    from tandem.demo import demo_model_paths
+    from tandem.server.app import build_app
+    from tandem.server.engine_client import EngineClient
+    from tandem.tokenizer import load_tokenizer
+
+    model_path = engine_kwargs.get("model_path")
+    model_name = args.served_model_name or model_path or "tandem-demo"
+    if model_path is None:
+        model_path = demo_model_paths()[0]
+        logger.info("no --model-path: serving the bundled demo model (%s)", model_path)
+    engine_kwargs = {**engine_kwargs, "model_path": model_path}
+
+    logger.info("starting the engine core for %s", model_path)
+    client = EngineClient(engine_kwargs, args.log_level)
+    client.launch()
+    try:
+        logger.info("loading the tokenizer")
+        tokenizer = load_tokenizer(engine_kwargs.get("tokenizer_path") or model_path)
+        url = f"http://{args.host}:{args.port}"
+
+        def on_ready(info) -> None:
+            logger.info("engine core ready (pid %d): context length %d, %d KV pages of %d tokens%s", info.pid,
+                        info.max_model_len, info.num_pages, info.page_size,
+                        f", speculative {info.speculative_algorithm}" if info.speculative_algorithm else "")
+            logger.info("serving %r at %s/v1 (OpenAI-compatible; /health, /metrics)%s", model_name, url,
+                        "; API key required" if args.api_key else "")
+
+        app = build_app(client, tokenizer, model_name, api_key=args.api_key,
+                        max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
+                        on_ready=on_ready)
+        logger.info("waiting for the engine core to load the model")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(config)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        client.kill()  # no-op after a normal shutdown; otherwise no orphaned engine core

@@ -1,0 +1,82 @@
+"""OpenAI request bodies (pydantic). Unknown fields are refused (400 naming the field) rather than
+silently ignored. Fields past OpenAI's own (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `skip_special_tokens`) follow vLLM / SGLang; with the `openai` client pass them
+in `extra_body`. Value ranges are checked by `SamplingParams`, in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: str | None = None  # accepted and ignored
+    # extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    # a string, strings (a batch), token ids, or lists of token ids (a batch)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # top alternatives per token, besides the chosen one
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra fields (name, tool_call_id, ...) go to the chat template as they are
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            msg["content"] = "\n".join(part.text for part in self.content)
+        return msg
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool = True

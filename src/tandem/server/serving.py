@@ -1,0 +1,417 @@
+"""OpenAI completions and chat completions on top of the engine client: turns a request body into
+engine requests (one per prompt and sample, `n` independent requests per prompt), follows their
+token deltas, and writes the JSON response or the SSE stream.
+
+Extension field: when the engine runs speculative decoding, `usage` carries
+`mean_accept_length` (tokens per verify step, accepted drafts + 1, over all choices; null before the
+first verify step) and `spec_verify_steps` (how many verify steps that was).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.engine import ipc
+from tandem.request import SamplingParams, TokenLogprob
+from tandem.server.detokenizer import IncrementalDetokenizer
+from tandem.server.engine_client import EngineClient, EngineDead
+from tandem.server.errors import OpenAIError, bad_request, from_sampling_params_error
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class Choice:
+    """One engine request: sample `index` of the response."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    chars_sent: int = 0  # streamed text so far (completions logprobs text_offset)
+
+
+@dataclass
+class Update:
+    choice: Choice
+    text: str  # newly showable text
+    logprobs: list[TokenLogprob]  # of the new tokens, when asked for
+    finish_reason: str | None
+
+
+class Generation:
+    """The engine requests behind one HTTP request, merged into one stream of updates."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, prompts: list[list[int]],
+                 choices: list[Choice], prompt_param: str):
+        self.client = client
+        self.metrics = metrics
+        self.prompts = prompts
+        self.choices = choices
+        self.prompt_param = prompt_param
+        self._by_id = {c.request_id: c for c in choices}
+        self._open: set[str] = set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def start(self) -> None:
+        for c in self.choices:
+            try:
+                self.client.add(c.request_id, c.prompt_token_ids, c.params, self._queue)
+            except EngineDead as e:
+                self.close()
+                raise engine_unavailable(str(e)) from None
+            self._open.add(c.request_id)
+            self.metrics.prompt_tokens.inc(len(c.prompt_token_ids))
+
+    async def next(self) -> Update | None:
+        """The next update of any choice; None once all have finished."""
+        while self._open:
+            item = await self._queue.get()
+            if isinstance(item, EngineDead):
+                self._end_all("error")
+                raise engine_unavailable(str(item))
+            if isinstance(item, ipc.RequestRejected):
+                self._open.discard(item.request_id)
+                raise bad_request(item.message, self.prompt_param)
+            delta, now = item
+            return self._apply(self._by_id[delta.request_id], delta, now)
+        return None
+
+    def _apply(self, c: Choice, delta: ipc.TokenDelta, now: float) -> Update:
+        new = delta.new_token_ids
+        self.metrics.on_tokens(len(new), c.arrival, c.first_token_at, c.last_token_at, now)
+        c.first_token_at = c.first_token_at or now
+        c.last_token_at = now
+        c.token_ids.extend(new)
+        if delta.accept_length is not None:
+            c.accept_lengths.append(delta.accept_length)
+        new_logprobs = (delta.logprobs or []) if c.params.logprobs is not None else []
+        c.logprobs.extend(new_logprobs)
+        reason = delta.finish_reason
+        text = c.detok.push(new, final=reason is not None)
+        if reason is None and c.detok.stopped:
+            # The engine stops at the same token unless its decoding saw the text differently.
+            self.client.abort([c.request_id])
+            reason = "stop"
+        if reason is not None:
+            c.finish_reason = reason
+            self._open.discard(c.request_id)
+            self.metrics.on_finished(reason, c.arrival, now)
+        return Update(c, text, new_logprobs, reason)
+
+    def close(self) -> None:
+        """Aborts whatever has not finished (client gone, error); safe to call more than once."""
+        if self._open:
+            self.client.abort(list(self._open))
+            self._end_all("abort")
+
+    def _end_all(self, reason: str) -> None:
+        now = time.monotonic()
+        for rid in self._open:
+            self.metrics.on_finished(reason, self._by_id[rid].arrival, now)
+        self._open.clear()
+
+
+def engine_unavailable(reason: str) -> OpenAIError:
+    return OpenAIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however the stream ends (done, error,
+    client gone), so that unfinished engine requests are always aborted."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, tokenizer, model_name: str,
+                 max_queued_requests: int | None):
+        self.client = client
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_queued_requests = max_queued_requests
+        self._token_strs: dict[int, str] = {}
+
+    @property
+    def speculative(self) -> bool:
+        return self.client.info is not None and self.client.info.speculative_algorithm is not None
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        if req.echo:
+            raise bad_request("echo: not supported", "echo")
+        if req.suffix is not None:
+            raise bad_request("suffix: not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of: only best_of == n is supported", "best_of")
+        prompts = self._completion_prompts(req)
+        gen = self._start(req, prompts, "prompt", req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                          req.logprobs, {"logprobs": "logprobs"}, arrival)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return SSEResponse(self._completion_stream(gen, rid, created, req.include_usage), gen.close)
+        if not await self._run_to_end(gen, http):
+            return Response(status_code=499)
+        choices = [{"index": c.index, "text": c.detok.text, "finish_reason": c.finish_reason,
+                    "logprobs": self._completion_logprobs(c.logprobs, 0) if c.params.logprobs is not None else None}
+                   for c in gen.choices]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage(gen)})
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], str)):
+            texts = [p] if isinstance(p, str) else p
+            if self.tokenizer is None:
+                raise bad_request("prompt: the model has no tokenizer; send token ids", "prompt")
+            return [self.tokenizer.encode(t) for t in texts]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return [list(ids) for ids in p] or [[]]
+
+    async def _completion_stream(self, gen: Generation, rid: str, created: int, include_usage: bool):
+        def chunk(choices, **extra):
+            return sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": choices, **extra})
+
+        try:
+            while (u := await gen.next()) is not None:
+                c = u.choice
+                lp = self._completion_logprobs(u.logprobs, c.chars_sent) if c.params.logprobs is not None else None
+                c.chars_sent += len(u.text)
+                if u.text or u.logprobs or u.finish_reason:
+                    yield chunk([{"index": c.index, "text": u.text, "logprobs": lp,
+                                  "finish_reason": u.finish_reason}])
+            if include_usage:
+                yield chunk([], usage=self._usage(gen))
+            yield "data: [DONE]\n\n"
+        except OpenAIError as e:
+            yield sse(e.body())
+        finally:
+            gen.close()
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
+        prompt = self._chat_prompt(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        gen = self._start(req, [prompt], "messages", max_tokens, None, logprobs,
+                          {"logprobs": "top_logprobs", "max_new_tokens": max_tokens_name}, arrival)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage), gen.close)
+        if not await self._run_to_end(gen, http):
+            return Response(status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
+                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
+                    "finish_reason": c.finish_reason} for c in gen.choices]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage(gen)})
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions "
+                              "with a plain prompt", "messages", "no_chat_template")
+        messages = [m.for_template() for m in req.messages]
+        try:
+            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # jinja2 errors, or the template's own raise_exception(...)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        return list(ids)
+
+    async def _chat_stream(self, gen: Generation, rid: str, created: int, include_usage: bool):
+        def chunk(choices, **extra):
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name, "choices": choices, **extra})
+
+        try:
+            for c in gen.choices:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            while (u := await gen.next()) is not None:
+                c = u.choice
+                lp = {"content": self._chat_logprobs(u.logprobs)} if c.params.logprobs is not None else None
+                if u.text or u.logprobs or u.finish_reason:
+                    yield chunk([{"index": c.index, "delta": {"content": u.text} if u.text else {},
+                                  "logprobs": lp, "finish_reason": u.finish_reason}])
+            if include_usage:
+                yield chunk([], usage=self._usage(gen))
+            yield "data: [DONE]\n\n"
+        except OpenAIError as e:
+            yield sse(e.body())
+        finally:
+            gen.close()
+
+    # ---- shared -------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model {model!r} does not exist (this server serves "
+                                   f"{self.model_name!r})", "model", "model_not_found")
+
+    def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str,
+               max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
+               api_names: dict[str, str], arrival: float) -> Generation:
+        """Validates everything, then sends one engine request per (prompt, sample)."""
+        if self.client.dead_reason is not None:
+            raise engine_unavailable(self.client.dead_reason)
+        names = {"max_new_tokens": "max_tokens", **api_names}
+        base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names)
+        choices = []
+        for i, ids in enumerate(prompts):
+            room = self._check_prompt(ids, prompt_param)
+            if max_tokens is None:
+                n_new = room if default_max_tokens is None else min(default_max_tokens, room)
+            elif max_tokens > room:
+                raise bad_request(f"{names['max_new_tokens']}={max_tokens} does not fit: the prompt has {len(ids)} "
+                                  f"tokens and the context length is {self.client.info.max_model_len}",
+                                  names["max_new_tokens"], "context_length_exceeded")
+            else:
+                n_new = max_tokens
+            for j in range(req.n):
+                index = i * req.n + j
+                # n samples of one request must differ, and stay reproducible under one seed.
+                seed = None if req.seed is None else req.seed + index
+                params = dataclasses.replace(base, max_new_tokens=n_new, seed=seed)
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+                choices.append(Choice(index, f"{uuid.uuid4().hex[:16]}-{index}", i, ids, params, detok, arrival))
+        if self.max_queued_requests is not None and self.client.num_queued + len(choices) > self.max_queued_requests:
+            raise OpenAIError(503, f"the server's request queue is full ({self.client.num_queued} waiting, "
+                                   f"limit {self.max_queued_requests}); retry later",
+                              code="queue_full", headers={"Retry-After": "1"})
+        gen = Generation(self.client, self.metrics, prompts, choices, prompt_param)
+        gen.start()
+        return gen
+
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                         names: dict[str, str]) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens)
+        except ValueError as e:
+            raise from_sampling_params_error(e, names) from None
+
+    def _check_prompt(self, ids: list[int], param: str) -> int:
+        """Room left for new tokens; 400 if the prompt is empty, too long or has bad token ids."""
+        info = self.client.info
+        if not ids:
+            raise bad_request(f"{param}: the prompt is empty", param)
+        if len(ids) >= info.max_model_len:
+            raise bad_request(f"{param}: the prompt has {len(ids)} tokens, but the model's context length is "
+                              f"{info.max_model_len} (the prompt plus at least one new token must fit)",
+                              param, "context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise bad_request(f"{param}: token ids out of range [0, {info.vocab_size}): {bad[:5]}", param)
+        return info.max_model_len - len(ids)
+
+    async def _run_to_end(self, gen: Generation, http: Request) -> bool:
+        """Runs the generation to its end; False (and the engine requests aborted) if the client
+        disconnects first."""
+        async def consume():
+            while await gen.next() is not None:
+                pass
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(_wait_disconnect(http))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer.done():
+                consumer.result()  # raises the request's error, if any
+                return True
+            return False
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            gen.close()
+
+    def _usage(self, gen: Generation) -> dict:
+        prompt_tokens = sum(len(p) for p in gen.prompts)  # once per prompt, whatever n is
+        completion_tokens = sum(len(c.token_ids) for c in gen.choices)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.speculative:
+            lengths = [n for c in gen.choices for n in c.accept_lengths]
+            usage["mean_accept_length"] = sum(lengths) / len(lengths) if lengths else None
+            usage["spec_verify_steps"] = len(lengths)
+        return usage
+
+    def _token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+            self._token_strs[token_id] = s
+        return s
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict:
+        tokens, offsets = [], []
+        for lp in lps:
+            s = self._token_str(lp.token_id)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": [{self._token_str(t): _finite(v) for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict]:
+        def entry(token_id: int, logprob: float) -> dict:
+            s = self._token_str(token_id)
+            return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode())}
+
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR

@@ -1,0 +1,50 @@
+"""`python -m tandem generate` end to end in a subprocess, against transformers' greedy generate."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.engine.helpers import hf_greedy, make_tokenizer_checkpoint
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+@pytest.fixture(scope="module")
+def tok_ckpt(tmp_path_factory):
+    return make_tokenizer_checkpoint(str(tmp_path_factory.mktemp("cli_llama")), seed=3)
+
+
+def run_cli(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tandem", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_json(tok_ckpt):
+    path, model, tokenizer = tok_ckpt
+    proc = run_cli("generate", "--model-path", path, "--prompt", "hi", "--max-new-tokens", "5", "--json",
+                   "--device", "cpu", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    record = json.loads(lines[0])
+    assert set(record) == {"prompt", "text", "token_ids", "finish_reason", "spec_accept_lengths"}
+    eos = tokenizer.eos_token_id
+    want = hf_greedy(model, tokenizer.encode("hi"), 5, eos_token_id=eos)  # stops after an EOS, keeps it
+    assert record["prompt"] == "hi"
+    assert record["token_ids"] == want
+    assert record["finish_reason"] == ("stop" if want[-1] == eos else "length")
+    assert record["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert record["spec_accept_lengths"] == []
+
+
+def test_invalid_temperature_exits_2(tok_ckpt):
+    proc = run_cli("generate", "--model-path", tok_ckpt[0], "--prompt", "hi", "--temperature", "-1",
+                   "--device", "cpu")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "temperature" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.strip() == ""
