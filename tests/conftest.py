@@ -8,6 +8,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
 def pytest_configure(config):
+    import torch
+
+    # Test models are tiny: one thread is fastest, and several test processes (or a 2-core CI
+    # machine) would otherwise oversubscribe the cores and slow every matmul by 10-30x.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
 

@@ -100,16 +100,16 @@ class Engine:
 
         torch.manual_seed(args.seed)
         self.runner = ModelRunner(self.config, self.arch, max_model_len)
-        capacity = self.runner.num_pages * args.page_size
-        if capacity < self.max_model_len:
-            # A request longer than the whole pool could never be scheduled, even alone.
-            logger.warning("context length capped at the KV pool size (%d tokens)", capacity)
-            self.max_model_len = capacity
-            self.config = dataclasses.replace(
-                self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
         spec = self.config.speculative
         # Room past a decode for the verify tree and the draft's scratch nodes (DESIGN §3).
         lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk) if spec.algorithm else 0
+        # A request whose worst case exceeds the whole pool could never be scheduled, even alone.
+        capacity = self.runner.num_pages * args.page_size - lookahead + 1
+        if capacity < self.max_model_len:
+            logger.warning("context length capped at what the KV pool holds (%d tokens)", capacity)
+            self.max_model_len = capacity
+            self.config = dataclasses.replace(
+                self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
                                    num_lookahead_tokens=lookahead)
         self._ids = itertools.count()
