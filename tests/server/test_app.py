@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 with warnings.catch_warnings():  # starlette suggests a different httpx package; this one works
-    warnings.simplefilter("ignore", DeprecationWarning)
+    warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
 from tandem.demo import byte_level_tokenizer
