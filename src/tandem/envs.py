@@ -13,3 +13,8 @@ def cache_dir() -> str:
 def stream_check() -> bool:
     """TANDEM_STREAM_CHECK=1 turns on the run-time checker of cross-stream ordering."""
     return os.environ.get("TANDEM_STREAM_CHECK", "0") == "1"
+
+
+def stream_delay_cycles() -> int:
+    """TANDEM_STREAM_DELAY_CYCLES=N spins N GPU cycles before each cross-stream write (delay injection)."""
+    return int(os.environ.get("TANDEM_STREAM_DELAY_CYCLES", "0"))

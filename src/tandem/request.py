@@ -105,6 +105,7 @@ class Request:
     finish_reason: FinishReason | None = None
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_sampling_steps: int = 0  # scheduled steps that produce tokens (keys seeded randomness)
     # Tokens produced per verify step (speculative decoding); its mean is tau.
     spec_accept_lengths: list[int] = field(default_factory=list)
 

@@ -12,7 +12,7 @@ from tests.server.helpers import ServerProcess, make_chat_checkpoint
 
 API_KEY = "sk-tandem-test"
 MODEL_NAME = "tiny-chat"
-MAX_MODEL_LEN = 1024  # the checkpoint's max_position_embeddings
+MAX_MODEL_LEN = 4096  # the checkpoint's max_position_embeddings: long requests run for seconds
 MAX_RUNNING = 4
 MAX_QUEUED = 4
 MAX_REQUEST_BYTES = 64 << 10
@@ -33,9 +33,10 @@ def _servers(chat_ckpt, tmp_path_factory):
                                    "--max-running-requests", str(MAX_RUNNING),
                                    "--max-queued-requests", str(MAX_QUEUED),
                                    "--max-request-bytes", str(MAX_REQUEST_BYTES)], logs / "main.log")
-    spec = ServerProcess(common + ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
-                                   chat_ckpt, "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"],
-                         logs / "spec.log")
+    # the draft is the target itself (STANDALONE): every draft token is accepted
+    spec = ServerProcess(common + ["--max-total-tokens", "65536", "--speculative-algorithm", "STANDALONE",
+                                   "--speculative-draft-model-path", chat_ckpt, "--speculative-num-steps", "3",
+                                   "--speculative-num-draft-tokens", "4"], logs / "spec.log")
     servers = {"main": main, "spec": spec}
     for s in servers.values():
         s.start()

@@ -55,7 +55,8 @@ class ServerProcess:
         self.engine_pid: int | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "OMP_NUM_THREADS": "1"}  # two servers and the test share the CPU cores
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *self.args], cwd=REPO, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)

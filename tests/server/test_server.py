@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -191,13 +190,15 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "stop": [""]}, 400, "stop", None, []),
     (C, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None, []),
     (C, {"prompt": "x", "seed": "abc"}, 400, "seed", None, []),
+    (C, {"prompt": "x", "seed": 2**70}, 400, "seed", None, []),
+    (C, {"prompt": "x", "top_k": 2**64}, 400, "top_k", None, []),
     (C, {"prompt": "x", "bogus_field": 1}, 400, "bogus_field", None, ["unknown"]),
     (C, {"max_tokens": 3}, 400, "prompt", None, ["required"]),
     (C, {"prompt": ""}, 400, "prompt", None, ["empty"]),
     (C, {"prompt": [5, 100000]}, 400, "prompt", None, ["out of range"]),
-    (C, {"prompt": "x" * 1500}, 400, "prompt", "context_length_exceeded", ["1500", str(MAX_MODEL_LEN)]),
-    (C, {"prompt": "x" * 100, "max_tokens": 2000}, 400, "max_tokens", "context_length_exceeded",
-     ["2000", "100", str(MAX_MODEL_LEN)]),
+    (C, {"prompt": "x" * 5000}, 400, "prompt", "context_length_exceeded", ["5000", str(MAX_MODEL_LEN)]),
+    (C, {"prompt": "x" * 100, "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded",
+     ["5000", "100", str(MAX_MODEL_LEN)]),
     (C, {"prompt": "x", "echo": True}, 400, "echo", None, []),
     (C, {"prompt": "x", "model": "gpt-17"}, 404, "model", "model_not_found", ["gpt-17"]),
     (CHAT, {"messages": []}, 400, "messages", None, []),
@@ -206,7 +207,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None, ["logprobs"]),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None, []),
     (CHAT, {"messages": USER, "max_completion_tokens": -1}, 400, "max_completion_tokens", None, []),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * 1500}]}, 400, "messages", "context_length_exceeded",
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages", "context_length_exceeded",
      [str(MAX_MODEL_LEN)]),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found", []),
     (CHAT, {"messages": USER, "stream_options": {"include_usage": "maybe"}}, 400,
@@ -256,20 +257,21 @@ def long_request(stream: bool = True) -> dict:
 def test_queue_full_503_and_disconnect_frees_pages(server, oai):
     start = wait_idle(server)
     http = httpx.Client(base_url=server.url, headers=AUTH, timeout=30)
-    streams = []
+    streams, readers = [], []  # a dropped reader would close its stream
     try:
         # MAX_RUNNING streams that have started (a first token arrived) ...
         for _ in range(MAX_RUNNING):
             resp = http.send(http.build_request("POST", C, json=long_request()), stream=True)
             assert resp.status_code == 200
-            lines = resp.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+            readers.append(resp.iter_lines())
+            assert next(line for line in readers[-1] if line.startswith("data: ")).startswith("data: {")
             streams.append(resp)
         # ... then MAX_QUEUED that the engine cannot admit yet (headers come back once accepted) ...
         for _ in range(MAX_QUEUED):
             resp = http.send(http.build_request("POST", C, json=long_request()), stream=True)
             assert resp.status_code == 200
             streams.append(resp)
+        assert server.health()["queued_requests"] == MAX_QUEUED
         busy = metrics(server)
         assert busy["tandem:num_requests_running"] == MAX_RUNNING
         assert busy["tandem:kv_pages_used"] > start["tandem:kv_pages_used"]
@@ -292,7 +294,7 @@ def test_queue_full_503_and_disconnect_frees_pages(server, oai):
 def test_non_streaming_disconnect_aborts(server):
     start = wait_idle(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + C, json=long_request(stream=False), headers=AUTH, timeout=1.0)
+        httpx.post(server.url + C, json=long_request(stream=False), headers=AUTH, timeout=0.5)
     key = 'tandem:requests_finished_total{finished_reason="abort"}'
     assert wait_for(lambda: metrics(server)[key] == start[key] + 1, timeout=10)
     wait_idle(server, start["tandem:kv_pages_used"])
@@ -338,12 +340,14 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
 
     after = scrape(url)
     drafts = after["tandem:spec_decode_num_drafts_total"]
-    assert drafts == r.usage.spec_verify_steps
+    accepted = after["tandem:spec_decode_num_accepted_tokens_total"]
+    # (the engine may run a verify step whose tokens nobody needs, e.g. one scheduled ahead)
+    assert drafts >= r.usage.spec_verify_steps
     assert after["tandem:spec_decode_num_draft_tokens_total"] == 3 * drafts
-    assert after["tandem:spec_decode_num_accepted_tokens_total"] == 3 * drafts
-    for pos in range(3):
-        assert after[f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'] == drafts
-    assert after["tandem:spec_decode_mean_accept_length"] == pytest.approx(4.0)
+    assert 0 < accepted <= 3 * drafts
+    per_pos = [after[f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)]
+    assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == accepted
+    assert after["tandem:spec_decode_mean_accept_length"] == pytest.approx(1 + accepted / drafts)
 
     # Kill the engine core mid-stream: the stream ends with an error, the server answers 503.
     engine_pid = spec_server.health()["engine_pid"]

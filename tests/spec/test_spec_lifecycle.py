@@ -76,8 +76,8 @@ def test_abort_mid_speculation_frees_pages(spec_models):
             engine.step()
         engine.step()  # lets the runner drop the state of the finished requests
         assert engine.scheduler.allocator.num_free == total
-        assert not engine.runner.spec.drafter.states
-        assert not engine.runner.histories
+        assert not engine.runner.spec.pool.slot_of  # every request's device state released
+        assert not engine.runner.spec.ready
 
 
 def test_spec_stats_count_what_requests_saw(spec_models):

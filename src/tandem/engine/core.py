@@ -35,6 +35,7 @@ class EngineCore:
 
     def run(self) -> None:
         self._send(self._ready())
+        self._send(ipc.CoreOutputs([], self.stats()))
         while True:
             busy = self.engine.has_unfinished()
             handled = self._receive(block=not busy)

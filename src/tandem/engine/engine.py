@@ -57,7 +57,7 @@ def default_device() -> str:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **kwargs):
+    def __init__(self, model_path: str | None = None, _runner_hooks: dict | None = None, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.names())
         if unknown:
             raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
@@ -99,7 +99,7 @@ class Engine:
         from tandem.runtime.model_runner import ModelRunner
 
         torch.manual_seed(args.seed)
-        self.runner = ModelRunner(self.config, self.arch, max_model_len)
+        self.runner = ModelRunner(self.config, self.arch, max_model_len, **(_runner_hooks or {}))
         spec = self.config.speculative
         # Room past a decode for the verify tree and the draft's scratch nodes (DESIGN §3).
         lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk) if spec.algorithm else 0
@@ -110,8 +110,12 @@ class Engine:
             self.max_model_len = capacity
             self.config = dataclasses.replace(
                 self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
+        # Overlap: schedule step N+1 while step N runs (speculative decoding; plain decoding runs the
+        # plain loop for now).
+        self.overlap = spec.algorithm is not None and not args.disable_overlap_schedule
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
-                                   num_lookahead_tokens=lookahead)
+                                   num_lookahead_tokens=lookahead, async_decode=self.overlap)
+        self._inflight = None  # the launched step whose results are not processed yet
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -174,8 +178,14 @@ class Engine:
         """One engine iteration: the new tokens of every request that got some, and the requests
         that finished in it (complete outputs)."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        update = self.scheduler.update(result.sampled)
+        handle = self.runner.launch(sched)
+        if self.overlap:
+            # Launch N, then process N-1 while N runs; the next call schedules N+1.
+            handle, self._inflight = self._inflight, handle
+        if handle is None:
+            return StepOutput()
+        result = self.runner.collect(handle)
+        update = self.scheduler.update(result.sampled, handle.iteration)
         finished = list(update.finished)
         by_id = {r.request_id: r for r in finished}
         out = StepOutput()
@@ -183,7 +193,10 @@ class Engine:
             req = self.scheduler.get_request(rid) or by_id[rid]
             accept_len = result.accept_lengths.get(rid)
             if accept_len is not None:
+                # Counted only for steps whose tokens were used (overlap may run one step too many).
                 req.spec_accept_lengths.append(accept_len)
+                spec = self.runner.spec
+                spec.stats.record(accept_len, spec.num_draft_tokens - 1, result.spec_max_depth)
             before = len(req.output_token_ids) - len(new_ids)
             if not req.is_finished and self._hit_stop_string(req, len(new_ids)):
                 self.scheduler.finish_request(rid, FinishReason.STOP)
@@ -212,7 +225,7 @@ class Engine:
         return False
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def shutdown(self) -> None:
         self.runner = None

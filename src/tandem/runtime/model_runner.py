@@ -19,7 +19,9 @@ from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
 from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
+from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.spec.drafter import Drafter
+from tandem.spec.state import SpecStatePool
 from tandem.spec.worker import SpecWorker
 from tandem.request import TokenLogprob
 from tandem.scheduler.outputs import SchedulerOutput
@@ -35,6 +37,15 @@ class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
+    spec_max_depth: int = 0
+
+
+@dataclass
+class DoneStep:
+    """A step that already ran to completion (plain decoding)."""
+
+    iteration: int
+    result: StepResult
 
 
 @dataclass
@@ -50,8 +61,12 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArchConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, max_model_len: int,
+                 device_module=None, stream_faults: FaultInjection = FaultInjection()):
         self.config = config
+        # Tests pass a recording stand-in for the device module and faults for negative controls.
+        self.device_module = device_module
+        self.stream_faults = stream_faults
         self.arch = arch
         self.device = torch.device(config.load.device)
         self.page_size = config.cache.page_size
@@ -70,13 +85,30 @@ class ModelRunner:
         self.backend = TorchAttentionBackend()
         self.spec = None
         if draft is not None:
-            attn = _first_attention(draft)
-            drafter = Drafter(draft, self.backend, self.page_size, self.num_pages, spec.eagle_topk, spec.num_steps,
-                              attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
-            self.spec = SpecWorker(self, drafter, spec.num_draft_tokens)
+            self.spec = self._build_spec_worker(draft, max_model_len)
         # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
         self.histories: dict[str, list[int]] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
+
+    def _build_spec_worker(self, draft, max_model_len: int) -> SpecWorker:
+        spec, sched = self.config.speculative, self.config.scheduler
+        attn = _first_attention(draft)
+        lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk)
+        # A request's pages cover its tokens, a run still in flight, and this step's lookahead.
+        max_pages = -(-(max_model_len + 3 * lookahead) // self.page_size)
+        feature = None
+        if draft.target_hidden == "final":
+            feature = self.arch.hidden_size
+        elif draft.target_hidden == "aux":
+            feature = len(draft.aux_layer_ids) * self.arch.hidden_size
+        draft_hidden = next(p for n, p in draft.named_parameters() if n.endswith("o_proj.weight")).shape[0]
+        pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
+                             self.dtype, self.device)
+        drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.eagle_topk,
+                          spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
+                            device_module=self.device_module, faults=self.stream_faults)
+        return SpecWorker(self, drafter, spec.num_draft_tokens, streams)
 
     def _pages_that_fit(self, draft) -> int:
         per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.arch.num_kv_heads,
@@ -131,19 +163,36 @@ class ModelRunner:
         attention = AttentionBatch(query_lens, kv_slots, slots)
         return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows)
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def launch(self, sched: SchedulerOutput):
+        """Starts one step. Speculative steps return a handle whose results arrive later (overlap);
+        plain steps run to completion here and return their result wrapped the same way."""
         self.drop_requests(sched.preempted_ids)
         self.drop_requests(sched.finished_ids)
         if self.spec is not None:
             self.spec.drop_requests(sched.preempted_ids)
             self.spec.drop_requests(sched.finished_ids)
+            if not sched.chunks:
+                return None
+            return self.spec.launch(sched)
         if not sched.chunks:
-            return StepResult()
-        if self.spec is not None:
-            result = StepResult()
-            self.spec.execute(sched, result)
-            return result
+            return None
+        return DoneStep(sched.iteration, self._execute_plain(sched))
+
+    def collect(self, handle) -> StepResult:
+        """Waits for a launched step's results."""
+        if isinstance(handle, DoneStep):
+            return handle.result
+        result = StepResult()
+        self.spec.collect(handle, result)
+        return result
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """launch + collect: the plain (non-overlapped) loop."""
+        handle = self.launch(sched)
+        return StepResult() if handle is None else self.collect(handle)
+
+    @torch.inference_mode()
+    def _execute_plain(self, sched: SchedulerOutput) -> StepResult:
         batch = self.build_batch(sched)
         hidden = self.forward(batch)
         result = StepResult()

@@ -18,6 +18,13 @@ class ScheduledChunk:
     num_prompt_tokens: int  # len(original prompt); tokens after it are outputs (for penalties)
     sampling_params: SamplingParams
     sample: bool  # the chunk reaches the end of the known sequence, so a token is sampled after it
+    # Overlap mode: a decode whose input token and start position are still on the device (the
+    # results of the step in flight); token_ids is empty and start_pos a lower bound.
+    is_future: bool = False
+    sample_step: int = 0  # how many sampling steps this request had before (keys seeded randomness)
+    # Only for requests with penalties (they need the history): prompt and outputs so far.
+    prompt_token_ids: tuple[int, ...] | None = None
+    output_token_ids: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +44,7 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     # Finished or aborted since the previous schedule().
     finished_ids: tuple[str, ...] = ()
+    iteration: int = 0  # pass back to Scheduler.update with this step's tokens
 
     @property
     def num_tokens(self) -> int:

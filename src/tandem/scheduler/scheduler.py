@@ -20,7 +20,7 @@ from tandem.scheduler.page_allocator import PageAllocator
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, page_size: int, num_pages: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, async_decode: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size})")
         if num_lookahead_tokens < 0:
@@ -33,7 +33,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is retracted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
-        self._awaiting_sample: set[str] = set()  # scheduled with sample=True, tokens not back yet
+        # Overlap mode: a decoding request may be scheduled again before its last step's tokens are
+        # back ("future" chunk: its input token and length live on the device). One step in flight
+        # at most, so pages are reserved for one worst-case run (num_lookahead_tokens) plus this step.
+        self.async_decode = async_decode
+        self._iteration = 0
+        # request id -> [(iteration, is_future)] of sampling chunks whose tokens are not back yet
+        self._outstanding: dict[str, list[tuple[int, bool]]] = {}
         self._finished_ids: list[str] = []  # reported (then cleared) by the next schedule()
 
     # ---- queries -------------------------------------------------------------------------
@@ -98,25 +104,34 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(chunks, budget)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(chunks=tuple(chunks), preempted_ids=tuple(preempted), finished_ids=finished)
+        out = SchedulerOutput(chunks=tuple(chunks), preempted_ids=tuple(preempted), finished_ids=finished,
+                              iteration=self._iteration)
+        self._iteration += 1
+        return out
 
     def _schedule_running(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n == 0:  # its sampled token has not come back through update() yet
-                i += 1
-                continue
+            pending = self._outstanding.get(req.request_id, [])
+            if pending:
+                if not self._can_schedule_future(req, pending):
+                    i += 1  # its sampled tokens have not come back through update() yet
+                    continue
+                future = True
+                n = 1
+            else:
+                future = False
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
             # Retract from the back until this request fits. Everything behind index i is
             # unscheduled this step, so no chunk already emitted loses its pages.
-            while not self._allocate(req, n):
+            while not self._allocate(req, n, in_flight=len(pending)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     return budget  # it was the last running request
-            chunks.append(self._commit(req, n))
+            chunks.append(self._commit_future(req) if future else self._commit(req, n))
             budget -= n
             i += 1
         return budget
@@ -133,10 +148,17 @@ class Scheduler:
             chunks.append(self._commit(req, n))
             budget -= n
 
-    def _allocate(self, req: Request, n: int) -> bool:
-        """Grow the request's pages to hold n more tokens (and the lookahead when it samples)."""
+    def _can_schedule_future(self, req: Request, pending: list) -> bool:
+        # Penalties need the real output history on the host, so those requests wait for it.
+        return self.async_decode and len(pending) == 1 and not req.sampling_params.needs_penalties
+
+    def _allocate(self, req: Request, n: int, in_flight: int = 0) -> bool:
+        """Grow the request's pages to hold n more tokens (and the lookahead when it samples), plus a
+        worst-case run of tokens for each step still in flight."""
         end = req.num_computed_tokens + n
-        if end == req.num_tokens:
+        if in_flight:
+            end = req.num_tokens + in_flight * self.num_lookahead_tokens
+        if end >= req.num_tokens:
             end += self.num_lookahead_tokens
         need = self._pages_for(end) - len(req.page_ids)
         if need <= 0:
@@ -152,15 +174,31 @@ class Scheduler:
         req.num_computed_tokens = start + n
         sample = req.num_computed_tokens == req.num_tokens
         if sample:
-            self._awaiting_sample.add(req.request_id)
+            self._outstanding.setdefault(req.request_id, []).append((self._iteration, False))
+        return self._chunk(req, _token_slice(req, start, start + n), start, sample, future=False)
+
+    def _commit_future(self, req: Request) -> ScheduledChunk:
+        """A decode whose input token and length are the device-side results of the step in flight."""
+        self._outstanding[req.request_id].append((self._iteration, True))
+        return self._chunk(req, (), req.num_computed_tokens, True, future=True)
+
+    def _chunk(self, req: Request, token_ids: tuple, start: int, sample: bool, future: bool) -> ScheduledChunk:
+        step = req.num_sampling_steps
+        if sample:
+            req.num_sampling_steps += 1
+        params = req.sampling_params
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=_token_slice(req, start, start + n),
+            token_ids=token_ids,
             start_pos=start,
             page_ids=tuple(req.page_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            sampling_params=req.sampling_params,
+            sampling_params=params,
             sample=sample,
+            is_future=future,
+            sample_step=step,
+            prompt_token_ids=tuple(req.prompt_token_ids) if params.needs_penalties else None,
+            output_token_ids=tuple(req.output_token_ids) if params.needs_penalties else None,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -169,45 +207,61 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self._awaiting_sample.discard(req.request_id)
+        self._outstanding.pop(req.request_id, None)
         self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------------
 
-    def update(self, sampled: Mapping[str, Sequence[int]]) -> SchedulerUpdate:
-        """Append the tokens sampled for the chunks that had sample=True.
+    def update(self, sampled: Mapping[str, Sequence[int]], iteration: int | None = None) -> SchedulerUpdate:
+        """Append the tokens sampled in one scheduled iteration (the oldest one not yet updated).
 
         Each list may hold several tokens (a speculative run: accepted drafts + bonus token);
-        all but the last were fed to the model in this step, so they count as computed.
-        Tokens for requests that finished or were aborted meanwhile are dropped.
+        all but the last were fed to the model in that step, so they count as computed (for a
+        future chunk, whose input token was not counted when scheduled, all of them do).
+        Tokens for requests that finished, were aborted or were retracted meanwhile are dropped.
         """
+        if iteration is None:
+            iteration = min((p[0][0] for p in self._outstanding.values() if p), default=self._iteration - 1)
         live = {rid: toks for rid, toks in sampled.items()
                 if rid in self._requests and self._requests[rid].status is RequestStatus.RUNNING}
-        self._check_sampled(live)
+        self._check_sampled(live, iteration)
         result = SchedulerUpdate()
         for rid, token_ids in live.items():
             req = self._requests[rid]
-            self._awaiting_sample.discard(rid)
-            appended, reason = self._append(req, token_ids)
+            _, future = self._outstanding[rid].pop(0)
+            if not self._outstanding[rid]:
+                del self._outstanding[rid]
+            appended, reason = self._append(req, token_ids, future)
             result.new_token_ids[rid] = appended
             if reason is not None:
                 self._finish(req, reason)
                 result.finished.append(req)
+            elif future or self.async_decode:
+                self._release_reservation(req)
         return result
 
-    def _check_sampled(self, live: Mapping[str, Sequence[int]]) -> None:
+    def _release_reservation(self, req: Request) -> None:
+        """Now that the real length is known, free pages reserved for a longer worst case."""
+        keep = self._pages_for(req.num_tokens + self.num_lookahead_tokens
+                               + len(self._outstanding.get(req.request_id, [])) * self.num_lookahead_tokens)
+        if len(req.page_ids) > keep:
+            self.allocator.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
+
+    def _check_sampled(self, live: Mapping[str, Sequence[int]], iteration: int) -> None:
         # Checked before any change so that a bad call leaves the scheduler as it was.
         for rid, token_ids in live.items():
-            if rid not in self._awaiting_sample:
-                raise ValueError(f"request {rid!r} got tokens but its last chunk did not sample")
+            pending = self._outstanding.get(rid)
+            if not pending or pending[0][0] != iteration:
+                raise ValueError(f"request {rid!r} got tokens but its chunk in iteration {iteration} did not sample")
             if not 1 <= len(token_ids) <= 1 + self.num_lookahead_tokens:
                 raise ValueError(f"request {rid!r} got {len(token_ids)} tokens; between 1 and "
                                  f"1 + num_lookahead_tokens ({1 + self.num_lookahead_tokens}) are allowed")
-        missing = self._awaiting_sample - live.keys()
+        missing = {rid for rid, p in self._outstanding.items() if p and p[0][0] == iteration} - live.keys()
         if missing:
             raise ValueError(f"update() has no tokens for sampling requests {sorted(missing)}")
 
-    def _append(self, req: Request, token_ids: Sequence[int]) -> tuple[list[int], FinishReason | None]:
+    def _append(self, req: Request, token_ids: Sequence[int], future: bool = False) -> tuple[list[int], FinishReason | None]:
         """Append tokens up to and including the first one that stops the request."""
         appended: list[int] = []
         reason = None
@@ -217,7 +271,7 @@ class Scheduler:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 break
-        req.num_computed_tokens += len(appended) - 1
+        req.num_computed_tokens += len(appended) - (0 if future else 1)
         return appended, reason
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
@@ -238,7 +292,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
-        self._awaiting_sample.discard(req.request_id)
+        self._outstanding.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
 
     def _free_pages(self, req: Request) -> None:

@@ -85,7 +85,8 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
         if not client.alive:
             raise OpenAIError(503, f"the engine is not available: {client.dead_reason or 'not running'}",
                               code="engine_unavailable")
-        return {"status": "ok", "model": model_name, "engine_pid": client.process.pid}
+        return {"status": "ok", "model": model_name, "engine_pid": client.process.pid,
+                "queued_requests": client.num_queued}
 
     api = APIRouter(dependencies=[Depends(check_api_key)])
 

@@ -6,9 +6,12 @@ in `extra_body`. Value ranges are checked by `SamplingParams`, in one place.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Integers cross the process boundary as msgpack int64 and may become torch int64 tensors.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -22,23 +25,23 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None  # accepted and ignored
     # extensions
-    top_k: int = -1
+    top_k: Int64 = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
 
     @property
@@ -48,11 +51,11 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     # a string, strings (a batch), token ids, or lists of token ids (a batch)
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # top alternatives per token, besides the chosen one
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    logprobs: Int64 | None = None  # top alternatives per token, besides the chosen one
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class TextPart(BaseModel):
@@ -77,6 +80,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    top_logprobs: Int64 | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True

@@ -1,9 +1,18 @@
-"""One speculative iteration (DESIGN §3): draft a tree, verify it with the target, accept, extend.
+"""One speculative iteration (DESIGN §3), launched without waiting for the previous one's results.
 
-Rows of a step are either *prefill* chunks (prompt or recompute; the target samples normally after
-the last one, then the draft is prefilled on the shifted tokens) or *verify* rows (a decode of a
-request whose draft state is ready: root = its last token, plus the drafted tree). Both kinds run in
-one target forward; the draft then runs once more over every newly known token.
+A step's rows are *verify* rows (decoding requests: root = last token, plus the drafted tree) and
+*prefill* rows (prompt chunks or a recompute; the target samples after the last chunk, then the
+draft is prefilled on the shifted tokens). Verify rows go first:
+
+  plan stream:  upload page-table rows ─► verify plan (waits: previous step's seq_lens) ─┐
+  main stream:  draft tree (waits: page table) ──────────────────────────────────────────┴► verify
+                (waits: verify plan) ─► accept, compact KV, new seq_lens ─► [verify_done]
+  plan stream:  extend plan (waits: verify_done) ─► [extend_plan]
+  main stream:  draft extend (waits: extend plan) ─► prefill rows ─► results to pinned memory
+
+The verify plan depends only on seq_lens and the page table, so it overlaps the draft; nothing
+waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
+engine can schedule the next step while this one runs.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.sampler import SampleRow, apply_penalties, logits_to_probs, sample, seed_for_step
 from tandem.models.llama import StepContext
 from tandem.request import TokenLogprob
+from tandem.runtime.streams import Edge, StreamSet
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
-from tandem.spec.drafter import DraftFeed, Drafter
+from tandem.spec import plan
+from tandem.spec.drafter import Drafter, PrefillFeed
 from tandem.spec.tree import DraftTree, ancestor_mask
 from tandem.spec.verify import AcceptResult, greedy_accept, tree_rejection_sample
 
@@ -46,225 +57,363 @@ class SpecStats:
 
 
 @dataclass
-class VerifyRow:
-    chunk: ScheduledChunk
-    node_offset: int  # row of the flat target batch holding node 0
+class SpecStepHandle:
+    """One launched iteration: its events and the host copies of its results. Holding the handle
+    keeps every input tensor of the iteration alive until its results are read."""
+
+    iteration: int
+    ready: Edge | None = None  # results are in host memory after this event
+    seq_lens_ready: Edge | None = None  # the next iteration's verify plan waits on it
+    table_released: Edge | None = None  # last main-stream read of this iteration's page table
+    verify_ids: list[str] = field(default_factory=list)
+    prefill_ids: list[str] = field(default_factory=list)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    logprobs_wanted: dict[str, int] = field(default_factory=dict)
+    max_depth: int = 0
+    keep_alive: list = field(default_factory=list)
+
+
+@dataclass
+class _Verify:
+    chunks: list[ScheduledChunk]
+    slots: torch.Tensor  # [B] pool rows
+    page_rows: torch.Tensor  # [B, P]
+    kv_bound: int
 
 
 class SpecWorker:
-    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int):
-        self.runner = runner  # target model, KV cache, attention backend, token histories
+    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet):
+        self.runner = runner  # target model, KV cache, attention backend
         self.drafter = drafter
+        self.pool = drafter.pool
         self.num_draft_tokens = num_draft_tokens
+        self.streams = streams
         self.stats = SpecStats()
+        self.ready: set[str] = set()  # requests whose draft state can start a tree
+        self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
+        self._before_last: SpecStepHandle | None = None
 
     def drop_requests(self, request_ids) -> None:
-        self.drafter.drop(request_ids)
+        for rid in request_ids:
+            self.ready.discard(rid)
+        self.pool.release(request_ids)
 
+    def is_verify(self, c: ScheduledChunk) -> bool:
+        return c.is_future or (c.sample and len(c.token_ids) == 1 and c.start_pos > 0 and c.request_id in self.ready)
+
+    # ---- launch ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, result) -> None:
-        runner = self.runner
-        chunks = list(sched.chunks)
-        verify_chunks = [c for c in chunks if self._is_verify(c)]
-        prefill_chunks = [c for c in chunks if not self._is_verify(c)]
-        for c in chunks:
-            runner.record_history(c)
-        tree = None
+    def launch(self, sched: SchedulerOutput) -> SpecStepHandle:
+        s = self.streams
+        handle = SpecStepHandle(sched.iteration)
+        verify_chunks = [c for c in sched.chunks if self.is_verify(c)]
+        prefill_chunks = [c for c in sched.chunks if not self.is_verify(c)]
+        outputs: dict[str, torch.Tensor] = {}
         if verify_chunks:
-            tree = self.drafter.draft_tree([c.request_id for c in verify_chunks],
-                                           [c.token_ids[0] for c in verify_chunks],
-                                           [c.page_ids for c in verify_chunks], self.num_draft_tokens)
-        hidden, aux, layout = self._target_forward(prefill_chunks, verify_chunks, tree)
-        feature = aux if self.drafter.model.target_hidden == "aux" else hidden
-        feeds = self._finish_prefills(prefill_chunks, layout, hidden, feature, result)
-        if verify_chunks:
-            feeds += self._finish_verifies(verify_chunks, layout, tree, hidden, feature, result)
-        self.drafter.feed(feeds)
+            self._launch_verify(verify_chunks, handle, outputs)
+        if prefill_chunks:
+            self._launch_prefill(prefill_chunks, handle, outputs)
+        handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sched.chunks
+                                  if c.sampling_params.logprobs is not None}
+        handle.seq_lens_ready = s.record("main", "seq_lens_ready")
+        self._copy_results(handle, outputs)
+        self._before_last, self._last = self._last, handle
+        return handle
 
-    def _is_verify(self, c: ScheduledChunk) -> bool:
-        st = self.drafter.states.get(c.request_id)
-        return c.sample and len(c.token_ids) == 1 and c.start_pos > 0 and st is not None and st.ready
-
-    # ---- target forward over prefill chunks and verify trees --------------------------------
-    def _target_forward(self, prefill_chunks, verify_chunks, tree: DraftTree | None):
-        runner, ps = self.runner, self.runner.page_size
-        input_ids, positions, slots, query_lens, kv_slots, masks = [], [], [], [], [], []
-        layout = {}  # request id -> first row of its tokens in the flat batch
-        for c in prefill_chunks:
-            layout[c.request_id] = len(input_ids)
-            seq = positions_to_slots(c.page_ids, range(c.end_pos), ps)
-            input_ids += c.token_ids
-            positions += range(c.start_pos, c.end_pos)
-            slots += seq[c.start_pos:]
-            query_lens.append(len(c.token_ids))
-            kv_slots.append(seq)
-            masks.append(None)
-        if verify_chunks:
-            n_nodes = self.num_draft_tokens
-            anc = ancestor_mask(tree.parents).cpu()  # [B, N, N]
-            tokens, depths = tree.tokens.tolist(), tree.depths.tolist()
-            for i, c in enumerate(verify_chunks):
-                layout[c.request_id] = len(input_ids)
-                n = c.start_pos  # cached tokens; node j's KV goes to position n + j
-                seq = positions_to_slots(c.page_ids, range(n + n_nodes), ps)
-                input_ids += tokens[i]
-                positions += [n + d for d in depths[i]]
-                slots += seq[n:]
-                query_lens.append(n_nodes)
-                kv_slots.append(seq)
-                mask = torch.ones(n_nodes, n + n_nodes, dtype=torch.bool)
-                mask[:, n:] = anc[i]  # drafts see the prefix and their own ancestors only
-                masks.append(mask)
-        batch = AttentionBatch(query_lens, kv_slots, slots, masks)
-        metadata = runner.backend.plan(batch, runner.device)
-        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=runner.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=runner.device)
-        hidden, aux = runner.model(ids_t, pos_t, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
-        aux = torch.cat(aux, dim=-1) if aux else None
-        return hidden, aux, layout
-
-    # ---- prefill rows: sample, then prefill the draft on the shifted tokens -----------------
-    def _finish_prefills(self, chunks, layout, hidden, feature, result) -> list[DraftFeed]:
-        sampling = [c for c in chunks if c.sample]
-        sampled: dict[str, int] = {}
-        if sampling:
-            idx = torch.tensor([layout[c.request_id] + len(c.token_ids) - 1 for c in sampling],
-                               device=hidden.device)
-            rows = [self.runner.sample_row(c) for c in sampling]
-            out = sample(self.runner.model.compute_logits(hidden[idx]), rows)
-            token_ids = out.token_ids.tolist()
-            for i, c in enumerate(sampling):
-                sampled[c.request_id] = token_ids[i]
-                result.sampled[c.request_id] = [token_ids[i]]
-            if out.logprobs is not None:
-                self.runner.collect_logprobs(out, [c.request_id for c in sampling], rows, token_ids, result)
-        feeds = []
-        for c in chunks:
-            first = layout[c.request_id]
-            tokens = list(c.token_ids)
-            feat = feature[first:first + len(tokens)] if feature is not None else None
-            if c.start_pos == 0:
-                self.drafter.drop([c.request_id])  # fresh prefill or recompute: start over
-            state = self.drafter.state(c.request_id)
-            if c.request_id in sampled:
-                tokens.append(sampled[c.request_id])
-            feeds.append(self._prefill_feed(c, tokens, feat, state))
-        return feeds
-
-    def _prefill_feed(self, c: ScheduledChunk, tokens: list[int], feat, state) -> DraftFeed:
-        """Pairs each token with the target hidden state of the token before it (EAGLE), or feeds
-        the tokens alone (standalone). A chunk's last hidden state waits for the next chunk."""
-        if self.drafter.model.token_offset == 0:
-            return DraftFeed(c.request_id, tokens, c.start_pos, None, c.page_ids, c.sample)
-        # token x[i] pairs with feature f[i-1]; x[0] has no partner and is skipped
-        prev = [state.pending_hidden.unsqueeze(0)] if c.start_pos > 0 else []
-        feats = torch.cat(prev + [feat]) if feat is not None else None
-        if c.start_pos == 0:
-            tokens = tokens[1:]
-        state.pending_hidden = None if c.sample else feat[-1]
-        n = len(tokens)
-        return DraftFeed(c.request_id, tokens, max(c.start_pos, 1),
-                         feats[:n] if feats is not None else None, c.page_ids, c.sample)
-
-    # ---- verify rows: accept, compact KV, extend the draft ----------------------------------
-    def _finish_verifies(self, chunks, layout, tree, hidden, feature, result) -> list[DraftFeed]:
-        runner, n_nodes = self.runner, self.num_draft_tokens
-        flat = torch.tensor([layout[c.request_id] + j for c in chunks for j in range(n_nodes)],
-                            device=hidden.device)
-        logits = runner.model.compute_logits(hidden[flat]).view(len(chunks), n_nodes, -1)  # [B, N, V]
-        accept = self._accept(chunks, tree, logits)
-        lens, paths, outs = accept.accept_lens.tolist(), accept.path.tolist(), accept.out_tokens.tolist()
-        self._compact_target_kv(chunks, lens, paths)
-        max_depth = int(tree.depths.max())
-        feeds = []
+    def _launch_verify(self, chunks, handle: SpecStepHandle, outputs) -> None:
+        s, runner, pool = self.streams, self.runner, self.pool
+        ps, n_nodes = runner.page_size, self.num_draft_tokens
+        kv_bound = max(len(c.page_ids) for c in chunks) * ps
+        slots_cpu = torch.tensor([pool.slot(c.request_id) for c in chunks], dtype=torch.long)
+        table_cpu = torch.zeros(len(chunks), pool.page_tables.shape[2], dtype=torch.long)
         for i, c in enumerate(chunks):
-            k = lens[i]
-            tokens = outs[i][:k]
-            result.sampled[c.request_id] = tokens
-            result.accept_lengths[c.request_id] = k
-            # The accepted drafts now have target KV: they join the fed-token history.
-            runner.histories[c.request_id].extend(tokens[:-1])
-            self.stats.record(k, n_nodes - 1, max_depth)
-            path = paths[i][:k]
-            if c.sampling_params.logprobs is not None:
-                self._verify_logprobs(c, logits[i], path, tokens, result)
-            feat = None
-            if feature is not None:
-                rows = torch.tensor([layout[c.request_id] + j for j in path], device=hidden.device)
-                feat = feature[rows]  # target hidden at root + accepted drafts pairs with the next token
-            feeds.append(DraftFeed(c.request_id, tokens, c.start_pos + 1, feat, c.page_ids, True))
-        return feeds
+            table_cpu[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
+        if runner.device.type == "cuda":
+            slots_cpu, table_cpu = slots_cpu.pin_memory(), table_cpu.pin_memory()
+        handle.keep_alive += [slots_cpu, table_cpu]
+        table = pool.page_tables[handle.iteration % 2]
 
+        # Plan stream: page-table rows for this step, then the verify plan.
+        with s.on("plan"):
+            # Write-after-read: this buffer was last read by the iteration before the previous one.
+            s.wait("plan", self._before_last.table_released if self._before_last else None)
+            s.begin("plan", "page_table")
+            s.write(f"page_table[{handle.iteration % 2}]", "plan")
+            slots = slots_cpu.to(runner.device, non_blocking=True)
+            table[slots] = table_cpu.to(runner.device, non_blocking=True)
+            page_rows = table[slots]
+            table_ready = s.record("plan", "page_table")
+            # Futures: seq_lens come from the previous step's verify/prefill on the main stream.
+            s.wait("plan", self._last.seq_lens_ready if self._last else None)
+            s.begin("plan", "verify_plan")
+            s.read("seq_lens", "plan")
+            s.write("verify_plan", "plan")
+            vplan = plan.plan_verify(page_rows, pool.seq_lens[slots], n_nodes, kv_bound, ps)
+            verify_plan_ready = s.record("plan", "verify_plan")
+        for t in (slots, page_rows, *vars(vplan).values()):
+            s.keep_alive(t, "main")
+
+        # Main stream: draft the tree while the plan stream works.
+        s.wait("main", table_ready)
+        s.read(f"page_table[{handle.iteration % 2}]", "main")
+        tree = self.drafter.draft_tree(slots, page_rows, kv_bound, n_nodes)
+        s.wait("main", verify_plan_ready)
+        s.read("verify_plan", "main")
+        metadata = plan.verify_metadata(vplan, ancestor_mask(tree.parents))
+        positions = (vplan.seq_lens[:, None] + tree.depths).reshape(-1)
+        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
+        hidden, aux = runner.model(tree.tokens.reshape(-1), positions, ctx,
+                                   aux_layer_ids=self.drafter.model.aux_layer_ids)
+        b = len(chunks)
+        logits = runner.model.compute_logits(hidden).view(b, n_nodes, -1)  # [B, N, V]
+        accept = self._accept(chunks, tree, logits)
+        self._compact_target_kv(vplan, accept)
+        s.write("seq_lens", "main")
+        pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
+        bonus = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
+        pool.verified_id[slots] = bonus
+        s.write("accept", "main")
+        verify_done = s.record("main", "verify_done")
+
+        # Plan stream: draft-extend metadata from verify's outputs.
+        q = tree.max_depth + 1
+        first_pos = vplan.seq_lens + 1 - self.drafter.model.token_offset  # draft position of the first new token
+        with s.on("plan"):
+            s.wait("plan", verify_done)
+            s.begin("plan", "extend_plan")
+            s.read("accept", "plan")
+            s.write("extend_plan", "plan")
+            ext_meta = plan.extend_metadata(page_rows, first_pos, q, kv_bound, ps)
+            extend_plan_ready = s.record("plan", "extend_plan")
+        for t in vars(ext_meta).values():
+            if t is not None:
+                s.keep_alive(t, "main")
+
+        feature = self._feature(hidden, aux)
+        features = None
+        if feature is not None:
+            rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n_nodes
+            features = feature[rows]  # [B, Q, F]: the root's and accepted drafts' features pair with the next tokens
+        s.wait("main", extend_plan_ready)
+        s.read("extend_plan", "main")
+        self.drafter.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
+        s.read(f"page_table[{handle.iteration % 2}]", "main")
+        handle.table_released = s.record("main", "table_released")
+
+        handle.verify_ids = [c.request_id for c in chunks]
+        handle.max_depth = tree.max_depth
+        outputs["accept_lens"] = accept.accept_lens
+        outputs["out_tokens"] = accept.out_tokens
+        if any(c.sampling_params.logprobs is not None for c in chunks):
+            self._verify_logprobs(chunks, logits, accept, outputs)
+
+    def _feature(self, hidden, aux):
+        kind = self.drafter.model.target_hidden
+        return None if kind is None else (torch.cat(aux, dim=-1) if kind == "aux" else hidden)
+
+    # ---- acceptance ---------------------------------------------------------------------------
     def _accept(self, chunks, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-        b, n_nodes, _ = logits.shape
-        node_rows = [self._node_rows(c, tree, i) for i, c in enumerate(chunks)]
+        b, n_nodes, vocab = logits.shape
+        penalized = any(c.sampling_params.needs_penalties for c in chunks)
+        rows = [r for i, c in enumerate(chunks) for r in self._node_rows(c, tree, i, penalized)]
+        flat = logits.reshape(b * n_nodes, vocab)
         if all(c.sampling_params.greedy for c in chunks):
-            flat_rows = [r for rows in node_rows for r in rows]
-            penalized = apply_penalties(logits.reshape(b * n_nodes, -1), flat_rows)
-            return greedy_accept(tree, penalized.argmax(-1).view(b, n_nodes))
-        flat_rows = [r for rows in node_rows for r in rows]
-        probs = logits_to_probs(logits.reshape(b * n_nodes, -1), flat_rows).view(b, n_nodes, -1)
-        uniforms, noise = self._randomness(chunks, n_nodes, probs.shape[-1], probs.device)
+            return greedy_accept(tree, apply_penalties(flat, rows).argmax(-1).view(b, n_nodes))
+        probs = logits_to_probs(flat, rows).view(b, n_nodes, vocab)
+        uniforms, noise = self._randomness(chunks, n_nodes, vocab, logits.device)
         return tree_rejection_sample(tree, probs, uniforms, noise)
 
-    def _node_rows(self, c: ScheduledChunk, tree: DraftTree, i: int) -> list[SampleRow]:
-        """Sampler rows for every tree node: the output history extends along the node's path, so
-        penalties at a node see the drafted tokens before it, exactly as plain decoding would."""
-        base = self.runner.sample_row(c)
-        if not c.sampling_params.needs_penalties:
+    def _node_rows(self, c: ScheduledChunk, tree: DraftTree, i: int, any_penalties: bool) -> list[SampleRow]:
+        """Sampler rows for every tree node. With penalties, a node's output history extends along its
+        path (the drafted tokens before it), exactly as plain decoding would see it."""
+        outputs = list(c.output_token_ids or ())
+        base = SampleRow(c.sampling_params, (), outputs)
+        if not (any_penalties and c.sampling_params.needs_penalties):
             return [base] * self.num_draft_tokens
+        raise_if_future(c)
+        # Penalised requests are never scheduled ahead, so their history is exact; reading the
+        # tree back to the host is the price of penalties.
         tokens, parents = tree.tokens[i].tolist(), tree.parents[i].tolist()
+        prompt = list(c.prompt_token_ids or ())
         rows = []
         for node in range(self.num_draft_tokens):
             path, j = [], node
             while j > 0:
                 path.append(tokens[j])
                 j = parents[j]
-            rows.append(SampleRow(c.sampling_params, base.prompt_token_ids,
-                                  list(base.output_token_ids) + path[::-1]))
+            rows.append(SampleRow(c.sampling_params, prompt, outputs + path[::-1]))
         return rows
 
     def _randomness(self, chunks, n_nodes: int, vocab: int, device):
         uniforms = torch.rand(len(chunks), n_nodes, device=device)
         noise = torch.empty(len(chunks), vocab, device=device).exponential_()
         for i, c in enumerate(chunks):
-            seed = c.sampling_params.seed
-            if seed is not None:
+            if c.sampling_params.seed is not None:
+                # Keyed by the request's step count, which the CPU knows even while steps are in flight.
                 gen = torch.Generator(device=device)
-                gen.manual_seed(seed_for_step(seed, len(self.runner.histories[c.request_id]) - c.num_prompt_tokens))
+                gen.manual_seed(seed_for_step(c.sampling_params.seed, c.sample_step))
                 uniforms[i] = torch.rand(n_nodes, generator=gen, device=device)
                 noise[i] = torch.empty(vocab, device=device).exponential_(generator=gen)
         return uniforms, noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
-    def _compact_target_kv(self, chunks, lens, paths) -> None:
-        """Moves the KV of accepted tree nodes to consecutive positions after the root (chains are
-        already in place). Reading every source before writing makes overlapping moves safe."""
-        src, dst = [], []
-        ps = self.runner.page_size
-        for c, k, path in zip(chunks, lens, paths):
-            n = c.start_pos
-            for j in range(1, k):
-                if path[j] != j:
-                    src.append(positions_to_slots(c.page_ids, [n + path[j]], ps)[0])
-                    dst.append(positions_to_slots(c.page_ids, [n + j], ps)[0])
-        if not src:
+    def _compact_target_kv(self, vplan: plan.VerifyPlan, accept: AcceptResult) -> None:
+        """Moves the KV of accepted tree nodes to consecutive positions after the root (a no-op copy
+        for chains and for unaccepted depths). Every source is read before any write."""
+        depth = accept.path.shape[1]
+        if depth <= 1:
             return
-        src_t = torch.tensor(src, device=self.runner.device)
-        dst_t = torch.tensor(dst, device=self.runner.device)
+        j = torch.arange(1, depth, device=accept.path.device)
+        src_node = torch.where(j < accept.accept_lens[:, None], accept.path[:, 1:], j)  # [B, D]
+        src = vplan.node_slots.gather(1, src_node).reshape(-1)
+        dst = vplan.node_slots[:, 1:depth].reshape(-1)
         for cache in (*self.runner.kv_cache.k, *self.runner.kv_cache.v):
-            cache[dst_t] = cache[src_t]
+            cache[dst] = cache[src]
 
-    def _verify_logprobs(self, c, node_logits, path, tokens, result) -> None:
-        logp = torch.log_softmax(node_logits[path], dim=-1)  # [k, V]: node path[j] predicts tokens[j]
-        n = c.sampling_params.logprobs
-        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
-        entries = []
+    def _verify_logprobs(self, chunks, logits, accept: AcceptResult, outputs) -> None:
+        """Raw-model logprobs of each produced token: node path[j] predicts out_tokens[j]."""
+        node_logits = logits.gather(1, accept.path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1]))
+        logp = torch.log_softmax(node_logits, dim=-1)  # [B, Q, V]
+        outputs["verify_logprob"] = logp.gather(2, accept.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
+        n = max(c.sampling_params.logprobs or 0 for c in chunks)
         if n:
             top_v, top_i = logp.topk(min(n, logp.shape[-1]), dim=-1)
-            tops = [list(zip(ti, tv)) for ti, tv in zip(top_i.tolist(), top_v.tolist())]
-        else:
-            tops = [[] for _ in tokens]
-        for tok, lp, top in zip(tokens, chosen, tops):
-            entries.append(TokenLogprob(tok, lp, top))
-        result.logprobs[c.request_id] = entries
+            outputs["verify_top_v"], outputs["verify_top_i"] = top_v, top_i
+
+    # ---- prefill rows: CPU-planned, results stay on the device ------------------------------
+    def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs) -> None:
+        runner, pool, s = self.runner, self.pool, self.streams
+        for c in chunks:
+            if c.start_pos == 0:
+                self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
+        hidden, aux, first_row = self._target_prefill(chunks)
+        sampling = [c for c in chunks if c.sample]
+        sampled = None
+        if sampling:
+            idx = torch.tensor([first_row[c.request_id] + len(c.token_ids) - 1 for c in sampling],
+                               device=hidden.device)
+            rows = [self._prefill_row(c) for c in sampling]
+            out = sample(runner.model.compute_logits(hidden[idx]), rows)
+            sampled = out.token_ids
+            slots = torch.tensor([pool.slot(c.request_id) for c in sampling], device=hidden.device)
+            s.write("seq_lens", "main")
+            pool.verified_id[slots] = sampled
+            pool.seq_lens[slots] = torch.tensor([c.end_pos for c in sampling], device=hidden.device)
+            outputs["prefill_tokens"] = sampled
+            if out.logprobs is not None:
+                outputs["prefill_logprob"] = out.logprobs
+                outputs["prefill_top_v"], outputs["prefill_top_i"] = out.top_logprobs, out.top_logprob_ids
+            handle.prefill_ids = [c.request_id for c in sampling]
+            for c in sampling:
+                self.ready.add(c.request_id)
+        feature = self._feature(hidden, aux)
+        feeds, sampled_row = [], {}
+        sampled_index = {c.request_id: i for i, c in enumerate(sampling)}
+        for c in chunks:
+            first = first_row[c.request_id]
+            feat = feature[first:first + len(c.token_ids)] if feature is not None else None
+            feed = self._prefill_feed(c, feat)
+            if c.sample:
+                sampled_row[len(feeds)] = sampled_index[c.request_id]
+            feeds.append(feed)
+        self.drafter.prefill(feeds, sampled, sampled_row)
+
+    @staticmethod
+    def _prefill_row(c: ScheduledChunk) -> SampleRow:
+        return SampleRow(c.sampling_params, list(c.prompt_token_ids or ()), list(c.output_token_ids or ()))
+
+    def _target_prefill(self, chunks):
+        runner, ps = self.runner, self.runner.page_size
+        input_ids, positions, slots, query_lens, kv_slots = [], [], [], [], []
+        first_row = {}
+        for c in chunks:
+            first_row[c.request_id] = len(input_ids)
+            seq = positions_to_slots(c.page_ids, range(c.end_pos), ps)
+            input_ids += c.token_ids
+            positions += range(c.start_pos, c.end_pos)
+            slots += seq[c.start_pos:]
+            query_lens.append(len(c.token_ids))
+            kv_slots.append(seq)
+        metadata = runner.backend.plan(AttentionBatch(query_lens, kv_slots, slots), runner.device)
+        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
+        ids_t = torch.tensor(input_ids, dtype=torch.long).to(runner.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(runner.device, non_blocking=True)
+        hidden, aux = runner.model(ids_t, pos_t, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
+        return hidden, aux, first_row
+
+    def _prefill_feed(self, c: ScheduledChunk, feat) -> PrefillFeed:
+        """Pairs each token with the target feature of the token before it (EAGLE), or feeds the
+        tokens alone (standalone). A chunk's last feature waits in the pool for the next chunk."""
+        pool = self.pool
+        slot = pool.slot(c.request_id)
+        tokens = list(c.token_ids) + ([-1] if c.sample else [])  # -1: this step's sampled token
+        if self.drafter.model.token_offset == 0:
+            return PrefillFeed(slot, tokens, c.start_pos, None, c.page_ids, c.sample)
+        feats = None
+        if feat is not None:
+            prev = [pool.pending_feature[slot: slot + 1]] if c.start_pos > 0 else []
+            feats = torch.cat(prev + [feat])
+            if not c.sample:
+                pool.pending_feature[slot] = feat[-1]
+        if c.start_pos == 0:
+            tokens = tokens[1:]  # x[0] has no feature before it
+        n = len(tokens)
+        return PrefillFeed(slot, tokens, max(c.start_pos, 1), feats[:n] if feats is not None else None,
+                           c.page_ids, c.sample)
+
+    # ---- results -------------------------------------------------------------------------------
+    def _copy_results(self, handle: SpecStepHandle, outputs: dict[str, torch.Tensor]) -> None:
+        s = self.streams
+        pin = self.runner.device.type == "cuda"
+        s.write("results", "main")
+        for name, t in outputs.items():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t, non_blocking=pin)
+            handle.host[name] = host
+            handle.keep_alive.append(t)
+        handle.ready = s.record("main", "results")
+
+    def collect(self, handle: SpecStepHandle, result) -> None:
+        """Waits for one iteration's results (one event) and fills a StepResult."""
+        self.streams.host_wait(handle.ready)
+        self.streams.read("results", "host")
+        host = handle.host
+        if handle.prefill_ids:
+            tokens = host["prefill_tokens"].tolist()
+            for i, rid in enumerate(handle.prefill_ids):
+                result.sampled[rid] = [tokens[i]]
+            if "prefill_logprob" in host:
+                self._host_logprobs(handle, handle.prefill_ids, host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
+                                    host["prefill_top_i"][:, None], [[t] for t in tokens], [1] * len(tokens), result)
+        if handle.verify_ids:
+            lens = host["accept_lens"].tolist()
+            outs = host["out_tokens"].tolist()
+            for i, rid in enumerate(handle.verify_ids):
+                k = lens[i]
+                result.sampled[rid] = outs[i][:k]
+                result.accept_lengths[rid] = k
+            result.spec_max_depth = handle.max_depth
+            if "verify_logprob" in host:
+                self._host_logprobs(handle, handle.verify_ids, host["verify_logprob"], host.get("verify_top_v"),
+                                    host.get("verify_top_i"), outs, lens, result)
+        handle.keep_alive.clear()
+
+    @staticmethod
+    def _host_logprobs(handle, ids, chosen, top_v, top_i, tokens, lens, result) -> None:
+        want = handle.logprobs_wanted
+        chosen = chosen.tolist()
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        for i, rid in enumerate(ids):
+            n = want.get(rid)
+            if n is None:
+                continue
+            result.logprobs[rid] = [
+                TokenLogprob(tokens[i][j], chosen[i][j],
+                             list(zip(top_i[i][j][:n], top_v[i][j][:n])) if n and top_i is not None else [])
+                for j in range(lens[i])
+            ]
+
+
+def raise_if_future(c: ScheduledChunk) -> None:
+    if c.is_future:
+        raise AssertionError("a request with penalties was scheduled ahead of its results")

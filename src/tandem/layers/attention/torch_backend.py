@@ -17,7 +17,7 @@ from tandem.layers.attention.base import AttentionBackend, AttentionBatch
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot of each new token
     query_index: torch.Tensor  # [B, Lq] row of the flat token list for (request, i); padding -> 0
-    query_valid: torch.Tensor  # [B, Lq] bool
+    query_valid: torch.Tensor | None  # [B, Lq] bool; None: every query is real (uniform rows)
     kv_slots: torch.Tensor  # [B, Lkv] cache slot of KV entry j of row b; padding -> 0
     mask: torch.Tensor  # [B, 1, Lq, Lkv] bool, True = attend
 
@@ -65,5 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
             q_pad, k_pad, v_pad, attn_mask=metadata.mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
+        out = out.transpose(1, 2)  # [B, Lq, heads, D]
+        if metadata.query_valid is None:  # uniform rows: no boolean indexing, so no host sync
+            return out.reshape(-1, *out.shape[2:])
         # Rows of query_valid in row-major order are exactly the flat batch order.
-        return out.transpose(1, 2)[metadata.query_valid]
+        return out[metadata.query_valid]

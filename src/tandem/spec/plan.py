@@ -1,0 +1,90 @@
+"""Attention metadata for the speculative decode path, built on the device from device-resident
+lengths (pure tensor functions: no host sync, so they can run on the plan stream while the draft
+runs, before the CPU knows the previous step's accept lengths).
+
+Every function returns padded metadata: each row's KV is a window of `kv_bound` positions (an upper
+bound the CPU knows from the pages it reserved) with a validity mask, and each row has the same
+number of queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.attention.torch_backend import TorchAttentionMetadata
+
+
+def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slots of `positions` [B, L] for requests whose page tables are `page_rows` [B, P]."""
+    pages = page_rows.gather(1, (positions // page_size).clamp(max=page_rows.shape[1] - 1))
+    return pages * page_size + positions % page_size
+
+
+@dataclass
+class VerifyPlan:
+    """What the plan stream prepares for verification (all [B, ...] on the device)."""
+
+    seq_lens: torch.Tensor  # [B] tokens with target KV before this step (position of the root)
+    node_slots: torch.Tensor  # [B, N] cache slot of tree node j: position seq_len + j
+    node_cols: torch.Tensor  # [B, N] KV column of node j in the window
+    kv_slots: torch.Tensor  # [B, L]
+    prefix_mask: torch.Tensor  # [B, N, L] the cached prefix, visible to every node
+
+
+def plan_verify(page_rows, seq_lens, num_nodes: int, kv_bound: int, page_size: int) -> VerifyPlan:
+    b, device = page_rows.shape[0], page_rows.device
+    kv_pos = torch.arange(kv_bound, device=device).expand(b, -1)  # [B, L]
+    node_pos = seq_lens[:, None] + torch.arange(num_nodes, device=device)  # [B, N]
+    prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound)
+    return VerifyPlan(seq_lens, page_slots(page_rows, node_pos, page_size), node_pos,
+                      page_slots(page_rows, kv_pos, page_size), prefix)
+
+
+def verify_metadata(plan: VerifyPlan, ancestors: torch.Tensor) -> TorchAttentionMetadata:
+    """Adds the draft-dependent part (tree mask [B, N, N]) to the plan: node i sees the prefix and
+    its ancestors. Runs on the main stream, after the draft."""
+    b, n = ancestors.shape[:2]
+    mask = plan.prefix_mask.clone()
+    mask.scatter_(2, plan.node_cols[:, None, :].expand(b, n, n), ancestors)
+    query_index = torch.arange(b * n, device=mask.device).view(b, n)
+    return TorchAttentionMetadata(plan.node_slots.reshape(-1), query_index, None, plan.kv_slots, mask[:, None])
+
+
+def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_size: int) -> TorchAttentionMetadata:
+    """Causal rows of `num_queries` tokens starting at draft position `first_pos` [B]; padded
+    queries past a row's real count compute (and store) values nobody reads."""
+    b, device = page_rows.shape[0], page_rows.device
+    q_pos = first_pos[:, None] + torch.arange(num_queries, device=device)  # [B, Q]
+    kv_pos = torch.arange(kv_bound, device=device)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
+    query_index = torch.arange(b * num_queries, device=device).view(b, num_queries)
+    return TorchAttentionMetadata(page_slots(page_rows, q_pos, page_size).reshape(-1), query_index, None,
+                                  page_slots(page_rows, kv_pos.expand(b, -1), page_size), mask[:, None])
+
+
+def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_size: int):
+    """One tree-drafting step: frontier node (b, k) at depth d sits at draft position base + d - 1,
+    stores its KV in scratch position base + (d - 1) * topk + k, and sees the real draft prefix
+    [0, base) plus the scratch entries of its ancestors (`paths` [B, K, d]: frontier slot per depth).
+    Returns (metadata over B*K single-query rows, positions [B*K])."""
+    b, k, d = paths.shape
+    device = page_rows.device
+    kv_pos = torch.arange(kv_bound, device=device)
+    prefix_slots = page_slots(page_rows, kv_pos.expand(b, -1), page_size)  # [B, L]
+    prefix_valid = kv_pos[None, :] < base[:, None]  # [B, L]
+    scratch_pos = base[:, None, None] + torch.arange(d, device=device) * topk + paths  # [B, K, d]
+    scratch_slots = page_slots(page_rows, scratch_pos.reshape(b, k * d), page_size).view(b, k, d)
+    kv_slots = torch.cat([prefix_slots[:, None].expand(b, k, kv_bound), scratch_slots], dim=2)
+    mask = torch.cat([prefix_valid[:, None].expand(b, k, kv_bound),
+                      torch.ones(b, k, d, dtype=torch.bool, device=device)], dim=2)
+    metadata = TorchAttentionMetadata(
+        slot_mapping=scratch_slots[:, :, -1].reshape(-1),
+        query_index=torch.arange(b * k, device=device).view(b * k, 1),
+        query_valid=None,
+        kv_slots=kv_slots.reshape(b * k, kv_bound + d),
+        mask=mask.reshape(b * k, 1, 1, kv_bound + d),
+    )
+    positions = (base + d - 1)[:, None].expand(b, k).reshape(-1)
+    return metadata, positions

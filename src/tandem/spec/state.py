@@ -1,0 +1,49 @@
+"""Device-resident per-request state of the speculative pipeline: the "future" values one iteration
+hands to the next without a trip through the CPU.
+
+Every request holds a row (`slot`) in each pool while it runs. The main stream writes all of them
+except the page table; the plan stream uploads page-table rows. The page table is double-buffered
+by iteration parity, so the upload for iteration N+1 never overwrites rows iteration N may read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SpecStatePool:
+    def __init__(self, max_requests: int, max_pages_per_request: int, topk: int, draft_hidden: int,
+                 feature_size: int | None, dtype: torch.dtype, device: torch.device):
+        self.max_requests = max_requests
+        z = dict(device=device)
+        self.verified_id = torch.zeros(max_requests, dtype=torch.long, **z)  # last token; no target KV yet
+        self.seq_lens = torch.zeros(max_requests, dtype=torch.long, **z)  # tokens with target KV
+        self.draft_entries = torch.zeros(max_requests, dtype=torch.long, **z)  # real draft KV entries
+        self.topk_logp = torch.zeros(max_requests, topk, dtype=torch.float32, **z)  # next token's draft top-k
+        self.topk_ids = torch.zeros(max_requests, topk, dtype=torch.long, **z)
+        self.draft_hidden = torch.zeros(max_requests, draft_hidden, dtype=dtype, **z)  # fed at tree step 2
+        # Target feature of a prefill chunk's last token, waiting for the next chunk's first token.
+        self.pending_feature = (torch.zeros(max_requests, feature_size, dtype=dtype, **z)
+                                if feature_size else None)
+        self.page_tables = torch.zeros(2, max_requests, max_pages_per_request, dtype=torch.long, **z)
+        self._free = list(range(max_requests - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}
+
+    def slot(self, request_id: str) -> int:
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError("speculative state pool is full")
+            slot = self.slot_of[request_id] = self._free.pop()
+        return slot
+
+    def release(self, request_ids) -> None:
+        # Safe to reuse at once: every write to these rows happens on the main stream, in order, so a
+        # step still in flight for the old owner finishes before the new owner's first write.
+        for rid in request_ids:
+            slot = self.slot_of.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.slot_of
