@@ -12,6 +12,7 @@ import sys
 import typing
 
 from tandem.engine.engine import EngineArgs
+from tandem.train.cli import add_train_draft_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+    add_train_draft_parser(sub)
     return parser
 
 

@@ -79,7 +79,13 @@ class StreamChecker:
         for s, t in clock.items():
             mine[s] = max(mine.get(s, 0), t)
 
+    def enqueue(self, stream: str) -> None:
+        """Device work is enqueued by the host, so it happens after everything the host did before."""
+        if stream != "host":
+            self.merge(stream, self.snapshot("host"))
+
     def read(self, buffer: str, stream: str) -> None:
+        self.enqueue(stream)
         tick = self._tick(stream)
         writer = self.last_write.get(buffer)
         if writer is not None and not self._ordered(stream, *writer):
@@ -88,6 +94,7 @@ class StreamChecker:
         self.reads.setdefault(buffer, {})[stream] = tick
 
     def write(self, buffer: str, stream: str) -> None:
+        self.enqueue(stream)
         tick = self._tick(stream)
         writer = self.last_write.get(buffer)
         if writer is not None and not self._ordered(stream, *writer):

@@ -1,9 +1,8 @@
 """Device-resident per-request state of the speculative pipeline: the "future" values one iteration
 hands to the next without a trip through the CPU.
 
-Every request holds a row (`slot`) in each pool while it runs. The main stream writes all of them
-except the page table; the plan stream uploads page-table rows. The page table is double-buffered
-by iteration parity, so the upload for iteration N+1 never overwrites rows iteration N may read.
+Every request holds a row (`slot`) in each pool while it runs. The main stream writes all of them; the
+plan stream uploads the step's page-table rows, which the host prepares in pinned host staging buffers that the plan stream copies from each step.
 """
 
 from __future__ import annotations
@@ -25,7 +24,11 @@ class SpecStatePool:
         # Target feature of a prefill chunk's last token, waiting for the next chunk's first token.
         self.pending_feature = (torch.zeros(max_requests, feature_size, dtype=dtype, **z)
                                 if feature_size else None)
-        self.page_tables = torch.zeros(2, max_requests, max_pages_per_request, dtype=torch.long, **z)
+        # Host-side staging for the per-step upload of pool rows and page tables (pinned on a GPU so
+        # the copy is asynchronous); reused every step, guarded by a write-after-read edge.
+        pin = device.type == "cuda"
+        self.staging_slots = torch.zeros(max_requests, dtype=torch.long, pin_memory=pin)
+        self.staging_pages = torch.zeros(max_requests, max_pages_per_request, dtype=torch.long, pin_memory=pin)
         self._free = list(range(max_requests - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
 

@@ -4,6 +4,7 @@ A step's rows are *verify* rows (decoding requests: root = last token, plus the 
 *prefill* rows (prompt chunks or a recompute; the target samples after the last chunk, then the
 draft is prefilled on the shifted tokens). Verify rows go first:
 
+  host:         page tables into pinned staging (waits: previous step's copy out of it)
   plan stream:  upload page-table rows ─► verify plan (waits: previous step's seq_lens) ─┐
   main stream:  draft tree (waits: page table) ──────────────────────────────────────────┴► verify
                 (waits: verify plan) ─► accept, compact KV, new seq_lens ─► [verify_done]
@@ -64,7 +65,7 @@ class SpecStepHandle:
     iteration: int
     ready: Edge | None = None  # results are in host memory after this event
     seq_lens_ready: Edge | None = None  # the next iteration's verify plan waits on it
-    table_released: Edge | None = None  # last main-stream read of this iteration's page table
+    staging_released: Edge | None = None  # the plan stream has copied the page-table staging buffer
     verify_ids: list[str] = field(default_factory=list)
     prefill_ids: list[str] = field(default_factory=list)
     host: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -91,7 +92,6 @@ class SpecWorker:
         self.stats = SpecStats()
         self.ready: set[str] = set()  # requests whose draft state can start a tree
         self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
-        self._before_last: SpecStepHandle | None = None
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -117,37 +117,40 @@ class SpecWorker:
                                   if c.sampling_params.logprobs is not None}
         handle.seq_lens_ready = s.record("main", "seq_lens_ready")
         self._copy_results(handle, outputs)
-        self._before_last, self._last = self._last, handle
+        self._last = handle
         return handle
 
     def _launch_verify(self, chunks, handle: SpecStepHandle, outputs) -> None:
         s, runner, pool = self.streams, self.runner, self.pool
         ps, n_nodes = runner.page_size, self.num_draft_tokens
+        it = handle.iteration
         kv_bound = max(len(c.page_ids) for c in chunks) * ps
-        slots_cpu = torch.tensor([pool.slot(c.request_id) for c in chunks], dtype=torch.long)
-        table_cpu = torch.zeros(len(chunks), pool.page_tables.shape[2], dtype=torch.long)
-        for i, c in enumerate(chunks):
-            table_cpu[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
-        if runner.device.type == "cuda":
-            slots_cpu, table_cpu = slots_cpu.pin_memory(), table_cpu.pin_memory()
-        handle.keep_alive += [slots_cpu, table_cpu]
-        table = pool.page_tables[handle.iteration % 2]
+        b = len(chunks)
 
-        # Plan stream: page-table rows for this step, then the verify plan.
+        # Host: fill the pinned staging buffer with this step's pool rows and page tables. It is
+        # reused every step, so first wait until the plan stream's previous copy out of it is done.
+        if self._last is not None and self._last.staging_released is not None:
+            s.host_wait(self._last.staging_released)
+        s.write("page_table_staging", "host")
+        pool.staging_slots[:b] = torch.tensor([pool.slot(c.request_id) for c in chunks], dtype=torch.long)
+        pool.staging_pages[:b] = 0
+        for i, c in enumerate(chunks):
+            pool.staging_pages[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
+
+        # Plan stream: upload, then the verify plan.
         with s.on("plan"):
-            # Write-after-read: this buffer was last read by the iteration before the previous one.
-            s.wait("plan", self._before_last.table_released if self._before_last else None)
+            s.read("page_table_staging", "plan")
             s.begin("plan", "page_table")
-            s.write(f"page_table[{handle.iteration % 2}]", "plan")
-            slots = slots_cpu.to(runner.device, non_blocking=True)
-            table[slots] = table_cpu.to(runner.device, non_blocking=True)
-            page_rows = table[slots]
+            s.write(f"page_rows[{it}]", "plan")
+            slots = pool.staging_slots[:b].to(runner.device, non_blocking=True, copy=True)
+            page_rows = pool.staging_pages[:b].to(runner.device, non_blocking=True, copy=True)
+            handle.staging_released = s.record("plan", "staging_released")
             table_ready = s.record("plan", "page_table")
             # Futures: seq_lens come from the previous step's verify/prefill on the main stream.
             s.wait("plan", self._last.seq_lens_ready if self._last else None)
             s.begin("plan", "verify_plan")
             s.read("seq_lens", "plan")
-            s.write("verify_plan", "plan")
+            s.write(f"verify_plan[{it}]", "plan")
             vplan = plan.plan_verify(page_rows, pool.seq_lens[slots], n_nodes, kv_bound, ps)
             verify_plan_ready = s.record("plan", "verify_plan")
         for t in (slots, page_rows, *vars(vplan).values()):
@@ -155,16 +158,15 @@ class SpecWorker:
 
         # Main stream: draft the tree while the plan stream works.
         s.wait("main", table_ready)
-        s.read(f"page_table[{handle.iteration % 2}]", "main")
+        s.read(f"page_rows[{it}]", "main")
         tree = self.drafter.draft_tree(slots, page_rows, kv_bound, n_nodes)
         s.wait("main", verify_plan_ready)
-        s.read("verify_plan", "main")
+        s.read(f"verify_plan[{it}]", "main")
         metadata = plan.verify_metadata(vplan, ancestor_mask(tree.parents))
         positions = (vplan.seq_lens[:, None] + tree.depths).reshape(-1)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
         hidden, aux = runner.model(tree.tokens.reshape(-1), positions, ctx,
                                    aux_layer_ids=self.drafter.model.aux_layer_ids)
-        b = len(chunks)
         logits = runner.model.compute_logits(hidden).view(b, n_nodes, -1)  # [B, N, V]
         accept = self._accept(chunks, tree, logits)
         self._compact_target_kv(vplan, accept)
@@ -172,7 +174,7 @@ class SpecWorker:
         pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
         bonus = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
         pool.verified_id[slots] = bonus
-        s.write("accept", "main")
+        s.write(f"accept[{it}]", "main")
         verify_done = s.record("main", "verify_done")
 
         # Plan stream: draft-extend metadata from verify's outputs.
@@ -181,8 +183,8 @@ class SpecWorker:
         with s.on("plan"):
             s.wait("plan", verify_done)
             s.begin("plan", "extend_plan")
-            s.read("accept", "plan")
-            s.write("extend_plan", "plan")
+            s.read(f"accept[{it}]", "plan")
+            s.write(f"extend_plan[{it}]", "plan")
             ext_meta = plan.extend_metadata(page_rows, first_pos, q, kv_bound, ps)
             extend_plan_ready = s.record("plan", "extend_plan")
         for t in vars(ext_meta).values():
@@ -195,10 +197,8 @@ class SpecWorker:
             rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n_nodes
             features = feature[rows]  # [B, Q, F]: the root's and accepted drafts' features pair with the next tokens
         s.wait("main", extend_plan_ready)
-        s.read("extend_plan", "main")
+        s.read(f"extend_plan[{it}]", "main")
         self.drafter.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
-        s.read(f"page_table[{handle.iteration % 2}]", "main")
-        handle.table_released = s.record("main", "table_released")
 
         handle.verify_ids = [c.request_id for c in chunks]
         handle.max_depth = tree.max_depth
@@ -364,7 +364,8 @@ class SpecWorker:
     def _copy_results(self, handle: SpecStepHandle, outputs: dict[str, torch.Tensor]) -> None:
         s = self.streams
         pin = self.runner.device.type == "cuda"
-        s.write("results", "main")
+        # Fresh tensors per iteration: named per iteration (their memory is never shared across steps).
+        s.write(f"results[{handle.iteration}]", "main")
         for name, t in outputs.items():
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
@@ -375,7 +376,7 @@ class SpecWorker:
     def collect(self, handle: SpecStepHandle, result) -> None:
         """Waits for one iteration's results (one event) and fills a StepResult."""
         self.streams.host_wait(handle.ready)
-        self.streams.read("results", "host")
+        self.streams.read(f"results[{handle.iteration}]", "host")
         host = handle.host
         if handle.prefill_ids:
             tokens = host["prefill_tokens"].tolist()

@@ -13,6 +13,14 @@ the Engine), cli.py (`tandem train-draft`).
 
 from tandem.train.config import TrainConfig
 from tandem.train.evaluate import AcceptanceReport, evaluate_acceptance
-from tandem.train.trainer import TrainSummary, train_eagle3
 
 __all__ = ["TrainConfig", "TrainSummary", "train_eagle3", "AcceptanceReport", "evaluate_acceptance"]
+
+
+def __getattr__(name: str):
+    # The trainer imports torch; `tandem --help` (which registers train-draft) should not.
+    if name in ("TrainSummary", "train_eagle3"):
+        from tandem.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

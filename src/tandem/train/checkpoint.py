@@ -44,3 +44,27 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["rng_cpu"].cpu())
     if state["rng_cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["rng_cuda"]])
+
+
+RUN_CONFIG_FILE = "train_config.json"
+
+
+def save_run_config(out_dir: str, config, target_path: str, corpus: str | None) -> None:
+    """The run's settings in plain JSON: for people, and for `--eval-only` to find the same held-out split."""
+    import dataclasses
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    record = {**dataclasses.asdict(config), "target_path": target_path, "corpus": corpus}
+    with open(os.path.join(out_dir, RUN_CONFIG_FILE), "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def load_run_config(out_dir: str) -> dict:
+    import json
+
+    path = os.path.join(out_dir, RUN_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.train import corpus as corpus_lib
-from tandem.train.checkpoint import load_state, restore_rng, save_state
+from tandem.train.checkpoint import load_state, restore_rng, save_run_config, save_state
 from tandem.train.config import TrainConfig
 from tandem.train.export import save_eagle3
 from tandem.train.head import build_head, head_config, init_head
@@ -70,6 +70,7 @@ def train_eagle3(target_path: str, corpus: str | Sequence[Sequence[int]], out_di
     sampler = corpus_lib.BatchSampler(len(train_seqs), config.batch_size, config.seed)
 
     state = load_state(out_dir, device) if config.resume else None
+    save_run_config(out_dir, config, target_path, os.fspath(corpus) if isinstance(corpus, (str, os.PathLike)) else None)
     if state is not None:
         vocab, hcfg = DraftVocab(state["d2t"].cpu(), state["t2d"].cpu()), state["head_config"]
     else:
