@@ -70,6 +70,12 @@ def parse_model_config(cfg: dict) -> ModelArchConfig:
     if qkv_bias is None:
         qkv_bias = bool(cfg.get("attention_bias", False))
     rope_scaling = cfg.get("rope_scaling")
+    rope_theta = cfg.get("rope_theta", 10000.0)
+    rope_parameters = cfg.get("rope_parameters")  # transformers 5 folds theta and scaling into one dict
+    if rope_parameters:
+        rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        if rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = rope_parameters
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -85,7 +91,7 @@ def parse_model_config(cfg: dict) -> ModelArchConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

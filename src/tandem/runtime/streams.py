@@ -173,7 +173,7 @@ class StreamSet:
             self.checker.read(buffer, self._checked_name(stream))
 
     def write(self, buffer: str, stream: str) -> None:
-        if self.delay_cycles and self.device.type == "cuda":
+        if self.delay_cycles and self.device.type == "cuda" and stream != "host":
             with self.on(stream):
                 torch.cuda._sleep(self.delay_cycles)
         if self.checker:

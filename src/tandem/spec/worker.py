@@ -180,6 +180,7 @@ class SpecWorker:
         # Plan stream: draft-extend metadata from verify's outputs.
         q = tree.max_depth + 1
         first_pos = vplan.seq_lens + 1 - self.drafter.model.token_offset  # draft position of the first new token
+        s.keep_alive(first_pos, "plan")  # allocated on main, read by the extend plan
         with s.on("plan"):
             s.wait("plan", verify_done)
             s.begin("plan", "extend_plan")

@@ -1,0 +1,112 @@
+"""Iteration time and GPU idle time of the speculative decode loop with and without the overlap
+scheduler and the plan stream (random weights in real shapes, EAGLE-3 chain of 3 steps, bf16).
+
+python bench/overlap_bench.py --out bench/results/overlap_h200.json [--shapes llama-3.2-1b llama-3.1-8b]
+
+GPU idle = 1 - (union of kernel/memcpy intervals) / (first kernel start .. last kernel end), from the
+torch profiler over a window of decode iterations. Acceptance is whatever random heads give (~1):
+this measures the pipeline's overheads, not speculation's gains.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from tandem import Engine, SamplingParams  # noqa: E402
+from tandem.bench.presets import write_preset  # noqa: E402
+
+PROMPT_LEN = 256
+WARMUP, MEASURE, PROFILE = 5, 30, 10
+
+
+def gpu_idle_fraction(prof) -> float:
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not intervals:
+        return float("nan")
+    busy, cur_s, cur_e = 0, *intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = intervals[-1][1] - intervals[0][0]
+    return 1 - busy / span
+
+
+def measure(engine: Engine, batch: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(torch.randint(1000, 100000, (PROMPT_LEN,), generator=gen).tolist(), params)
+            for _ in range(batch)]
+    while any(engine.scheduler.get_request(r).num_computed_tokens < PROMPT_LEN for r in rids):
+        engine.step()  # prefill
+    for _ in range(WARMUP):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(MEASURE):
+        engine.step()
+    torch.cuda.synchronize()
+    iter_ms = (time.perf_counter() - t0) / MEASURE * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE):
+            engine.step()
+        torch.cuda.synchronize()
+    idle = gpu_idle_fraction(prof)
+    tokens = sum(len(engine.scheduler.get_request(r).output_token_ids) for r in rids)
+    for r in rids:
+        engine.abort(r)
+    while engine.has_unfinished():
+        engine.step()
+    return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "tokens_after": tokens}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ns = ap.parse_args()
+    root = tempfile.mkdtemp()
+    rows = []
+    for shape in ns.shapes:
+        target, head = write_preset(shape, root)
+        for overlap in (True, False):
+            for plan in (True, False):
+                engine = Engine(target, load_format="dummy", device="cuda", dtype="bfloat16",
+                                speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                                speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                                disable_overlap_schedule=not overlap, disable_plan_stream=not plan,
+                                max_running_requests=max(ns.batches), context_length=4096,
+                                max_total_tokens=max(ns.batches) * 4096, chunked_prefill_size=8192)
+                for batch in ns.batches:
+                    r = {"shape": shape, "overlap": overlap, "plan_stream": plan, "batch": batch, **measure(engine, batch)}
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                engine.shutdown()
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+    result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": "python bench/overlap_bench.py " + " ".join(sys.argv[1:]), "rows": rows}
+    os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'shape':14} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'idle':>6}")
+    for r in rows:
+        print(f"{r['shape']:14} {r['batch']:>3} {r['overlap']!s:>7} {r['plan_stream']!s:>5} "
+              f"{r['iter_ms']:>8.2f} {r['gpu_idle_frac']:>6.1%}")
+
+
+if __name__ == "__main__":
+    main()

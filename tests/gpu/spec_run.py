@@ -1,0 +1,64 @@
+"""Runs a speculative greedy workload on the GPU and prints the outputs as JSON (one process, so a
+deliberately broken configuration cannot take the test process's CUDA context down with it).
+
+python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from tandem import Engine, SamplingParams
+from tandem.runtime.streams import FaultInjection
+from tests.models.tiny_checkpoints import make_checkpoint, prompts
+from tests.spec.draft_checkpoints import write_eagle3_head
+
+
+def models(root: str) -> tuple[str, str]:
+    target, head = os.path.join(root, "target"), os.path.join(root, "eagle3")
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        make_checkpoint("llama3", target, seed=0)
+        write_eagle3_head(head, json.load(open(os.path.join(target, "config.json"))), seed=2)
+    return target, head
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--drop", default=None)
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--no-plan", action="store_true")
+    ap.add_argument("--tree", action="store_true")
+    ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--self-draft", action="store_true", help="the target drafts for itself (high acceptance)")
+    ns = ap.parse_args(argv)
+    target, head = models(ns.root)
+    shape = (dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8) if ns.tree
+             else dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4))
+    kwargs = dict(device=os.environ.get("SPEC_RUN_DEVICE", "cuda"), dtype="float32", page_size=4, max_total_tokens=32768, max_running_requests=16)
+    if not ns.plain:
+        kwargs.update(shape, speculative_algorithm="STANDALONE" if ns.self_draft else "EAGLE3",
+                      speculative_draft_model_path=target if ns.self_draft else head,
+                      disable_overlap_schedule=ns.no_overlap, disable_plan_stream=ns.no_plan)
+    faults = FaultInjection(drop=frozenset([ns.drop] if ns.drop else []))
+    engine = Engine(target, _runner_hooks={"stream_faults": faults}, **kwargs)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    ids = prompts(10, seed=21) + prompts(6, seed=22)
+    # Staggered arrivals: prefill and verify rows share iterations.
+    rids = [engine.add_request(p, params) for p in ids[:8]]
+    engine.step()
+    rids += [engine.add_request(p, params) for p in ids[8:]]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step().finished:
+            done[out.request_id] = out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    json.dump([done[r].token_ids for r in rids], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
