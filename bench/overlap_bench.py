@@ -53,11 +53,14 @@ def measure(engine: Engine, batch: int) -> dict:
     for _ in range(WARMUP):
         engine.step()
     torch.cuda.synchronize()
+    phases = _time_phases(engine)
     t0 = time.perf_counter()
     for _ in range(MEASURE):
         engine.step()
     torch.cuda.synchronize()
     iter_ms = (time.perf_counter() - t0) / MEASURE * 1e3
+    cpu = {k: round(v / MEASURE * 1e3, 3) for k, v in phases.pop("totals").items()}
+    phases["restore"]()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILE):
             engine.step()
@@ -68,7 +71,37 @@ def measure(engine: Engine, batch: int) -> dict:
         engine.abort(r)
     while engine.has_unfinished():
         engine.step()
-    return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "tokens_after": tokens}
+    return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "tokens_after": tokens,
+            "cpu_ms_per_iter": cpu}
+
+
+def _time_phases(engine: Engine) -> dict:
+    """Wraps the loop's phases to see where host time goes: scheduling, launching the GPU work
+    (Python + kernel launches), and waiting for / applying results."""
+    totals = {"schedule": 0.0, "launch": 0.0, "collect_wait": 0.0, "update": 0.0}
+    originals = {}
+
+    def wrap(obj, name, key):
+        fn = getattr(obj, name)
+        originals[(obj, name)] = fn
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[key] += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine.runner, "launch", "launch")
+    wrap(engine.runner, "collect", "collect_wait")
+    wrap(engine.scheduler, "update", "update")
+
+    def restore():
+        for (obj, name), fn in originals.items():
+            setattr(obj, name, fn)
+    return {"totals": totals, "restore": restore}
 
 
 def main():
@@ -102,10 +135,12 @@ def main():
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':14} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'idle':>6}")
+    print(f"{'shape':14} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'idle':>6}  host ms: sched launch wait update")
     for r in rows:
+        c = r["cpu_ms_per_iter"]
         print(f"{r['shape']:14} {r['batch']:>3} {r['overlap']!s:>7} {r['plan_stream']!s:>5} "
-              f"{r['iter_ms']:>8.2f} {r['gpu_idle_frac']:>6.1%}")
+              f"{r['iter_ms']:>8.2f} {r['gpu_idle_frac']:>6.1%}  {c['schedule']:6.2f} {c['launch']:6.2f} "
+              f"{c['collect_wait']:6.2f} {c['update']:6.2f}")
 
 
 if __name__ == "__main__":

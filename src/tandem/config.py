@@ -52,6 +52,10 @@ class SpeculativeConfig:
         if self.num_steps < 1 or self.eagle_topk < 1 or self.num_draft_tokens < 2:
             raise ValueError("speculative_num_steps >= 1, speculative_eagle_topk >= 1, "
                              "speculative_num_draft_tokens >= 2 are required")
+        if self.algorithm == "MTP" and self.eagle_topk != 1:
+            # Each MTP module drafts one step of one chain (models/mtp.py): no trees.
+            raise ValueError("speculative_algorithm='MTP' drafts a chain: it needs speculative_eagle_topk=1 and "
+                             f"speculative_num_draft_tokens == speculative_num_steps + 1 (got topk {self.eagle_topk})")
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError(
                 "chain drafting (speculative_eagle_topk=1) needs speculative_num_draft_tokens == "

@@ -18,3 +18,10 @@ def stream_check() -> bool:
 def stream_delay_cycles() -> int:
     """TANDEM_STREAM_DELAY_CYCLES=N spins N GPU cycles before each cross-stream write (delay injection)."""
     return int(os.environ.get("TANDEM_STREAM_DELAY_CYCLES", "0"))
+
+
+def stream_delay_buffers() -> frozenset[str]:
+    """TANDEM_STREAM_DELAY_BUFFERS=a,b limits delay injection to writes of those buffers (names
+    without the [iteration] suffix); empty means every cross-stream write."""
+    raw = os.environ.get("TANDEM_STREAM_DELAY_BUFFERS", "")
+    return frozenset(b for b in raw.split(",") if b)

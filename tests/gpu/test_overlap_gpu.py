@@ -50,11 +50,20 @@ def test_delay_injection_keeps_greedy_output(root, reference):
     assert outputs(root, "--tree", env=env) == reference
 
 
-@pytest.mark.parametrize("edge", ["seq_lens_ready", "verify_plan"])
+# edge removed -> the producer's write that the consumer then reads too early
+NEGATIVE = {"seq_lens_ready": "seq_lens", "verify_plan": "verify_plan"}
+
+
+@pytest.mark.parametrize("edge", sorted(NEGATIVE))
 def test_delay_injection_without_a_wait_changes_output(root, reference, edge):
-    """Negative control: with one wait removed the delayed producer loses the race, and the
-    consumer reads stale or unwritten data (wrong tokens, or a device-side fault)."""
-    proc = run(root, "--drop", edge, "--self-draft", env={"TANDEM_STREAM_DELAY_CYCLES": DELAY})
+    """Negative control: with one wait removed, the delayed producer loses the race and the
+    consumer reads stale or unwritten data (wrong tokens, or a device-side fault). Only that
+    producer is delayed, so the consumer is not slowed down by delays of its own."""
+    # Long enough (~100 ms) that the producer is still spinning when the host, which is itself
+    # slow to launch eager kernels, has queued the consumer.
+    env = {"TANDEM_STREAM_DELAY_CYCLES": "200000000", "TANDEM_STREAM_DELAY_BUFFERS": NEGATIVE[edge]}
+    assert outputs(root, "--self-draft", env=env) == reference  # the same delays with every wait kept
+    proc = run(root, "--drop", edge, "--self-draft", env=env)
     if proc.returncode == 0:
         assert json.loads(proc.stdout.strip().splitlines()[-1]) != reference, "the missing wait went unseen"
 

@@ -92,3 +92,28 @@ def _save(path, cfg, tensors, drop, extra) -> dict:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return cfg
+
+
+def write_mtp_head(path: str, target_cfg: dict, num_modules: int = 3, seed: int = 0, own_heads=(),
+                   drop=(), extra=None, embed: bool = True, overrides=None) -> dict:
+    """MTP format (DeepSeek-V3-style next-n modules, models/mtp.py): `model.layers.{k}.` per module.
+    `own_heads` lists the modules that store `shared_head.head.weight` (the others use the target's
+    lm_head); `embed` stores an `embed_tokens.weight`, which loading ignores; `overrides` replaces
+    tensors by name after they are drawn (for hand-built heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = _head_config(target_cfg, architectures=["LlamaForCausalLMMTP"], num_nextn_predict_layers=num_modules,
+                       num_hidden_layers=target_cfg["num_hidden_layers"],
+                       intermediate_size=target_cfg["intermediate_size"])
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    tensors = {"model.embed_tokens.weight": _rand(gen, vocab, h)} if embed else {}
+    for k in range(num_modules):
+        p = f"model.layers.{k}"
+        tensors.update({f"{p}.enorm.weight": _norm(gen, h), f"{p}.hnorm.weight": _norm(gen, h),
+                        f"{p}.eh_proj.weight": _rand(gen, h, 2 * h) / 2,
+                        f"{p}.input_layernorm.weight": _norm(gen, h),
+                        f"{p}.shared_head.norm.weight": _norm(gen, h)})
+        tensors.update(_layer_tensors(gen, p, cfg, h))
+        if k in own_heads:
+            tensors[f"{p}.shared_head.head.weight"] = _rand(gen, vocab, h)
+    tensors.update(overrides or {})
+    return _save(path, cfg, tensors, drop, extra)

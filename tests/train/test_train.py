@@ -123,3 +123,20 @@ def _run_cli(*args):
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "tandem", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def test_one_ttt_step_trains_and_loads(tmp_path):
+    target = str(tmp_path / "target")
+    make_checkpoint("llama3", target, seed=1)
+    out = str(tmp_path / "head")
+    summary = train_eagle3(target, random_prompts(8, 10, seed=2), out,
+                           TrainConfig(steps=3, batch_size=4, seq_len=10, lr=1e-3, ttt_steps=1, eval_fraction=0.0,
+                                       draft_vocab_size=320, device="cpu", progress=False))
+    assert [len(h["acc"]) for h in summary.history] == [1, 1, 1]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(2, 4, seed=9)
+    with Engine(target, context_length=32, **ENGINE) as engine:
+        want = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=out, context_length=32,
+                **CHAIN, **ENGINE) as engine:
+        assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)] == want

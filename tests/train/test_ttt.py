@@ -8,7 +8,7 @@ import torch
 from tandem.layers.attention.base import AttentionBatch
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.models.llama import StepContext
-from tandem.train.attention import DenseTTTAttention, GridMetadata, new_caches, ttt_attention
+from tandem.train.attention import DenseTTTAttention, GridMetadata, ttt_attention
 from tandem.train.head import build_head, head_config, init_head
 from tandem.train.target import load_frozen_target, target_features
 from tandem.train.ttt import ttt_forward, ttt_loss

@@ -14,6 +14,7 @@ from tandem.models.eagle import EagleDraft
 from tandem.models.eagle3 import Eagle3Draft, eagle3_aux_layer_ids
 from tandem.models.hf_config import load_model_config, parse_model_config
 from tandem.models.loader import default_dtype, init_dummy_weights, iter_checkpoint, load_weights
+from tandem.models.mtp import build_mtp_draft
 from tandem.models.registry import build_target_model
 from tandem.models.standalone_draft import StandaloneDraft
 
@@ -39,6 +40,8 @@ def build_draft_model(algorithm: str, path: str, target, load: ModelLoadConfig, 
                                             torch.float16: "float16"}[dtype], load.device, load.load_format,
                                      load.seed + 1)
         return StandaloneDraft(build_target_model(draft_load, arch, max_positions)).eval()
+    if algorithm == "MTP":  # DeepSeek-style next-n modules: their own config keys and tensor names (models/mtp.py)
+        return build_mtp_draft(path, target, load, max_positions)
     cfg = _head_config(path)
     with torch.device(load.device), default_dtype(dtype):
         if algorithm == "EAGLE":

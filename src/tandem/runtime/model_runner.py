@@ -21,6 +21,7 @@ from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.spec.drafter import Drafter
+from tandem.spec.mtp_drafter import MTPDrafter, MTPStatePool
 from tandem.spec.state import SpecStatePool
 from tandem.spec.worker import SpecWorker
 from tandem.request import TokenLogprob
@@ -82,7 +83,12 @@ class ModelRunner:
         self.num_pages = config.cache.num_pages or self._pages_that_fit(draft)
         self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, arch.num_kv_heads,
                                 arch.head_dim, self.dtype, self.device)
-        self.backend = TorchAttentionBackend()
+        if config.attention_backend == "triton":
+            from tandem.layers.attention.triton_backend import TritonAttentionBackend  # imports triton
+
+            self.backend = TritonAttentionBackend()
+        else:
+            self.backend = TorchAttentionBackend()
         self.spec = None
         if draft is not None:
             self.spec = self._build_spec_worker(draft, max_model_len)
@@ -102,10 +108,17 @@ class ModelRunner:
         elif draft.target_hidden == "aux":
             feature = len(draft.aux_layer_ids) * self.arch.hidden_size
         draft_hidden = next(p for n, p in draft.named_parameters() if n.endswith("o_proj.weight")).shape[0]
-        pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
-                             self.dtype, self.device)
-        drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.eagle_topk,
-                          spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        if spec.algorithm == "MTP":
+            # MTP: one module per draft step, with lagging per-module KV and state (spec/mtp_drafter.py).
+            pool = MTPStatePool(sched.max_num_seqs + 8, max_pages, spec.num_steps, draft_hidden, self.dtype,
+                                self.device)
+            drafter = MTPDrafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.num_steps,
+                                 attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        else:
+            pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
+                                 self.dtype, self.device)
+            drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.eagle_topk,
+                              spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
                             device_module=self.device_module, faults=self.stream_faults)
         return SpecWorker(self, drafter, spec.num_draft_tokens, streams)

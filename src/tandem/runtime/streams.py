@@ -121,6 +121,7 @@ class StreamSet:
         # GPU delay injection: spin this many cycles on the producer stream before each cross-stream
         # write, so a missing wait shows up as stale data instead of hiding behind lucky timing.
         self.delay_cycles = envs.stream_delay_cycles() if delay_cycles is None else delay_cycles
+        self.delay_buffers = envs.stream_delay_buffers()
         self._early: dict[str, Edge] = {}
 
     def _stream(self, name: str):
@@ -173,7 +174,8 @@ class StreamSet:
             self.checker.read(buffer, self._checked_name(stream))
 
     def write(self, buffer: str, stream: str) -> None:
-        if self.delay_cycles and self.device.type == "cuda" and stream != "host":
+        if (self.delay_cycles and self.device.type == "cuda" and stream != "host"
+                and (not self.delay_buffers or buffer.split("[")[0] in self.delay_buffers)):
             with self.on(stream):
                 torch.cuda._sleep(self.delay_cycles)
         if self.checker:

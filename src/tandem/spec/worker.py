@@ -7,12 +7,12 @@ draft is prefilled on the shifted tokens). Verify rows go first:
   host:         page tables into pinned staging (waits: previous step's copy out of it)
   plan stream:  upload page-table rows ─► verify plan (waits: previous step's seq_lens) ─┐
   main stream:  draft tree (waits: page table) ──────────────────────────────────────────┴► verify
-                (waits: verify plan) ─► accept, compact KV, new seq_lens ─► [verify_done]
-  plan stream:  extend plan (waits: verify_done) ─► [extend_plan]
+                (waits: verify plan) ─► accept, compact KV, new seq_lens
+  plan stream:  ... ─► extend plan (padded to the deepest run: needs no verify output) ─┐
   main stream:  draft extend (waits: extend plan) ─► prefill rows ─► results to pinned memory
 
-The verify plan depends only on seq_lens and the page table, so it overlaps the draft; nothing
-waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
+The verify plan depends only on seq_lens and the page table, and the extend plan only on those
+too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
 engine can schedule the next step while this one runs.
 """
 
@@ -174,21 +174,17 @@ class SpecWorker:
         pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
         bonus = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
         pool.verified_id[slots] = bonus
-        s.write(f"accept[{it}]", "main")
-        verify_done = s.record("main", "verify_done")
 
-        # Plan stream: draft-extend metadata from verify's outputs.
+        # Plan stream: draft-extend metadata. It is padded to the deepest possible run, so it needs
+        # only the page rows and the old lengths (both the plan stream's own): no wait on verify.
         q = tree.max_depth + 1
-        first_pos = vplan.seq_lens + 1 - self.drafter.model.token_offset  # draft position of the first new token
-        s.keep_alive(first_pos, "plan")  # allocated on main, read by the extend plan
         with s.on("plan"):
-            s.wait("plan", verify_done)
             s.begin("plan", "extend_plan")
-            s.read(f"accept[{it}]", "plan")
             s.write(f"extend_plan[{it}]", "plan")
+            first_pos = vplan.seq_lens + 1 - self.drafter.model.token_offset  # draft position of the first new token
             ext_meta = plan.extend_metadata(page_rows, first_pos, q, kv_bound, ps)
             extend_plan_ready = s.record("plan", "extend_plan")
-        for t in vars(ext_meta).values():
+        for t in (first_pos, *vars(ext_meta).values()):
             if t is not None:
                 s.keep_alive(t, "main")
 

@@ -12,6 +12,8 @@ from tandem.models.llama import StepContext
 from tandem.models.registry import build_target_model
 from tandem.train.attention import DenseTTTAttention, GridMetadata, new_caches
 
+LOGIT_ROWS = 4096  # tokens per slice of full-vocabulary logits
+
 
 def load_frozen_target(path: str, device: str, dtype: str, max_positions: int):
     """(target model with gradients off, its architecture config), loaded by tandem's own loader."""
@@ -37,8 +39,12 @@ def target_features(target, input_ids: torch.Tensor, aux_layer_ids: tuple[int, .
     ctx = StepContext(DenseTTTAttention(), GridMetadata(b, t), k_caches, v_caches)
     positions = torch.arange(t, device=input_ids.device).repeat(b)
     hidden, aux = target(input_ids.reshape(-1), positions, ctx, aux_layer_ids=aux_layer_ids)
-    logits = target.compute_logits(hidden)  # [B*T, V] float32
-    # Soft labels over the draft vocabulary only: the head cannot propose anything else.
-    probs = torch.softmax(logits[:, draft_target_ids], dim=-1)
-    return TargetFeatures(aux=torch.cat(aux, dim=-1).view(b, t, -1), probs=probs.view(b, t, -1),
-                          argmax=logits.argmax(-1).view(b, t))
+    probs, argmax = [], []
+    # Full-vocabulary float32 logits of a whole batch can take gigabytes: a slice at a time.
+    for rows in hidden.split(LOGIT_ROWS):
+        logits = target.compute_logits(rows)  # [n, V] float32
+        # Soft labels over the draft vocabulary only: the head cannot propose anything else.
+        probs.append(torch.softmax(logits[:, draft_target_ids], dim=-1))
+        argmax.append(logits.argmax(-1))
+    return TargetFeatures(aux=torch.cat(aux, dim=-1).view(b, t, -1), probs=torch.cat(probs).view(b, t, -1),
+                          argmax=torch.cat(argmax).view(b, t))

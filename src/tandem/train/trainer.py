@@ -68,9 +68,56 @@ def train_eagle3(target_path: str, corpus: str | Sequence[Sequence[int]], out_di
     target, arch = load_frozen_target(target_path, str(device), config.target_dtype, max_positions)
     train_seqs, held_docs = prepare_sequences(corpus, load_tokenizer(target_path), config)
     sampler = corpus_lib.BatchSampler(len(train_seqs), config.batch_size, config.seed)
+    save_run_config(out_dir, config, target_path,
+                    os.fspath(corpus) if isinstance(corpus, (str, os.PathLike)) else None)
+    run = _start_or_resume(config, target, arch, train_seqs, out_dir, device, max_positions)
+    head, vocab = run.head, run.vocab
 
+    counts = token_counts(train_seqs, arch.vocab_size)
+    summary = TrainSummary(out_dir, run.start, False, run.history, len(train_seqs), len(held_docs),
+                           float(counts[vocab.t2d].sum() / counts.sum().clamp_min(1)))
+    vocab_ids = vocab.target_ids.to(device)
+    stop = config.stop_after or config.steps
+    bar = tqdm(total=config.steps, initial=run.start, desc="train-draft", unit="step", disable=not config.progress)
+    running = None  # exponential averages for the progress bar
+    head.train()
+    for step in range(run.start, stop):
+        lr = config.lr_at(step)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        ids, valid = corpus_lib.collate([train_seqs[i] for i in sampler.indices(step)])
+        out = _train_step(run, target, ids.to(device), valid.to(device), vocab_ids, config)
+        acc = [c / max(n, 1) for c, n in zip(out.step_correct, out.step_count)]
+        run.history.append({"step": step + 1, "lr": lr, "loss": float(out.loss.detach()), "acc": acc})
+        running = _ema(running, [run.history[-1]["loss"], *acc])
+        bar.set_postfix_str(_postfix(running))
+        bar.update(1)
+        done = step + 1
+        if config.save_every and done % config.save_every == 0 and done < stop:
+            _save(out_dir, done, run)
+    bar.close()
+    head.eval()
+    summary.steps_done = max(run.start, stop)
+    summary.finished = summary.steps_done >= config.steps
+    _save(out_dir, summary.steps_done, run)
+    if summary.finished and held_docs:
+        summary.heldout = heldout_metrics(head, target, held_docs, vocab, config, device)
+    return summary
+
+
+@dataclass
+class _Run:
+    head: torch.nn.Module  # tandem's Eagle3Draft
+    vocab: DraftVocab
+    head_config: dict  # its config.json
+    optimizer: torch.optim.Optimizer
+    params: list  # the trainable parameters
+    history: list[dict]
+    start: int  # optimizer steps already done
+
+
+def _start_or_resume(config: TrainConfig, target, arch, train_seqs, out_dir: str, device, max_positions) -> _Run:
     state = load_state(out_dir, device) if config.resume else None
-    save_run_config(out_dir, config, target_path, os.fspath(corpus) if isinstance(corpus, (str, os.PathLike)) else None)
     if state is not None:
         vocab, hcfg = DraftVocab(state["d2t"].cpu(), state["t2d"].cpu()), state["head_config"]
     else:
@@ -82,59 +129,33 @@ def train_eagle3(target_path: str, corpus: str | Sequence[Sequence[int]], out_di
     init_head(head, target, vocab, config.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    history: list[dict] = []
-    start = 0
+    run = _Run(head, vocab, hcfg, optimizer, params, [], 0)
     if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
-        history, start = list(state["history"]), int(state["step"])
+        run.history, run.start = list(state["history"]), int(state["step"])
         restore_rng(state)
-        logger.info("resuming from step %d", start)
-
-    counts = token_counts(train_seqs, arch.vocab_size)
-    summary = TrainSummary(out_dir, start, False, history, len(train_seqs), len(held_docs),
-                           float(counts[vocab.t2d].sum() / counts.sum().clamp_min(1)))
-    vocab_ids = vocab.target_ids.to(device)
-    stop = config.stop_after or config.steps
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    bar = tqdm(total=config.steps, initial=start, desc="train-draft", unit="step", disable=not config.progress)
-    running = None  # exponential averages for the progress bar
-    head.train()
-    for step in range(start, stop):
-        lr = config.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        ids, valid = corpus_lib.collate([train_seqs[i] for i in sampler.indices(step)])
-        ids, valid = ids.to(device), valid.to(device)
-        feats = target_features(target, ids, head.aux_layer_ids, vocab_ids)
-        with autocast:
-            hiddens = ttt_forward(head, ids, feats.aux, config.ttt_steps)
-            out = ttt_loss(head, hiddens, valid, feats.probs, feats.argmax, config.step_loss_decay)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
-        acc = [c / max(n, 1) for c, n in zip(out.step_correct, out.step_count)]
-        history.append({"step": step + 1, "lr": lr, "loss": float(out.loss.detach()), "acc": acc})
-        running = _ema(running, [history[-1]["loss"], *acc])
-        bar.set_postfix_str(_postfix(running))
-        bar.update(1)
-        done = step + 1
-        if config.save_every and done % config.save_every == 0 and done < stop:
-            _save(out_dir, done, head, optimizer, vocab, hcfg, history)
-    bar.close()
-    head.eval()
-    summary.steps_done = max(start, stop)
-    summary.finished = summary.steps_done >= config.steps
-    _save(out_dir, summary.steps_done, head, optimizer, vocab, hcfg, history)
-    if summary.finished and held_docs:
-        summary.heldout = heldout_metrics(head, target, held_docs, vocab, config, device)
-    return summary
+        logger.info("resuming from step %d", run.start)
+    elif config.resume:
+        logger.info("no training state in %s: starting from scratch", out_dir)
+    return run
 
 
-def _save(out_dir, step, head, optimizer, vocab, hcfg, history) -> None:
-    save_eagle3(head, vocab.t2d, hcfg, out_dir, hcfg["torch_dtype"])
-    save_state(out_dir, step, head, optimizer, vocab, hcfg, history)
+def _train_step(run: _Run, target, ids, valid, vocab_ids, config: TrainConfig):
+    feats = target_features(target, ids, run.head.aux_layer_ids, vocab_ids)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        hiddens = ttt_forward(run.head, ids, feats.aux, config.ttt_steps)
+        out = ttt_loss(run.head, hiddens, valid, feats.probs, feats.argmax, config.step_loss_decay)
+    run.optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.params, config.grad_clip)
+    run.optimizer.step()
+    return out
+
+
+def _save(out_dir: str, step: int, run: _Run) -> None:
+    save_eagle3(run.head, run.vocab.t2d, run.head_config, out_dir, run.head_config["torch_dtype"])
+    save_state(out_dir, step, run.head, run.optimizer, run.vocab, run.head_config, run.history)
 
 
 @torch.no_grad()

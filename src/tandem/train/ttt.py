@@ -58,14 +58,16 @@ def ttt_loss(head, hiddens: list[torch.Tensor], valid: torch.Tensor, target_prob
     distribution at t+j, then exists)."""
     total = 0.0
     losses, correct, count = [], [], []
-    t = valid.shape[1]
+    seq_len = valid.shape[1]
     for j, h in enumerate(hiddens, start=1):
-        if j >= t:  # no position has a label this far ahead
-            losses.append(0.0), correct.append(0), count.append(0)
+        if j >= seq_len:  # no position has a label this far ahead
+            losses.append(0.0)
+            correct.append(0)
+            count.append(0)
             continue
         # position t of step j is labelled by the target at t + j
         mask, labels = valid[:, j:], target_probs[:, j:]  # [B, T-j], [B, T-j, V_draft]
-        logp = torch.log_softmax(head.compute_logits(h[:, :t - j]), dim=-1)
+        logp = torch.log_softmax(head.compute_logits(h[:, :seq_len - j]), dim=-1)
         ce = -(labels * logp).sum(-1)  # [B, T-j]
         n = mask.sum()
         step_loss = (ce * mask).sum() / n.clamp_min(1)
