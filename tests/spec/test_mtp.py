@@ -250,6 +250,22 @@ def test_greedy_speculative_equals_plain(spec_models, mtp_head, reference, overl
         assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
 
 
+@pytest.mark.parametrize("plan", [True, False], ids=["plan_stream", "one_stream"])
+def test_pipeline_passes_the_stream_checker(spec_models, mtp_head, reference, monkeypatch, plan):
+    """The overlapped pipeline with MTP drafting, under the stream-order checker and a recording
+    device module: no unordered cross-stream access, no blanket waits, same greedy tokens."""
+    from tests.spec.test_streams import RecordingDeviceModule
+
+    monkeypatch.setenv("TANDEM_STREAM_CHECK", "1")
+    module = RecordingDeviceModule()
+    with mtp_engine(spec_models["target"], mtp_head, max_running_requests=16, disable_plan_stream=not plan,
+                    _runner_hooks={"device_module": module}) as engine:
+        outs = engine.generate(input_ids=PROMPTS[:16], sampling_params=greedy())
+        assert [o.token_ids for o in outs] == reference[:16]
+    kinds = {entry[0] for entry in module.log}
+    assert "wait_stream" not in kinds and "device_synchronize" not in kinds
+
+
 def test_fewer_steps_than_modules(spec_models, mtp_head, reference):
     with mtp_engine(spec_models["target"], mtp_head, steps=2) as engine:
         assert engine.runner.spec.drafter.kv_cache.k.__len__() == 2  # the unused module gets no KV
