@@ -63,7 +63,7 @@ def test_format_loads_by_exact_names(spec_models, mtp_head):
     assert "model.embed_tokens.weight" in stored  # present, and ignored
     with mtp_engine(spec_models["target"], mtp_head) as engine:
         draft = engine.runner.spec.drafter.model
-        assert draft.num_modules == NUM_MODULES and engine.runner.spec.drafter.kv_cache.k.__len__() == NUM_MODULES
+        assert draft.num_modules == NUM_MODULES and len(engine.runner.spec.drafter.kv_cache.k) == NUM_MODULES
         for k, layer in enumerate(draft.model.layers):
             p = f"model.layers.{k}."
             for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",
@@ -90,7 +90,8 @@ def test_module_computes_the_documented_formula(spec_models, mtp_head, target_cf
     written out from the checkpoint tensors."""
     w = load_file(os.path.join(mtp_head, "model.safetensors"))
     tw = load_file(os.path.join(spec_models["target"], "model.safetensors"))
-    eps, heads, kv_heads = target_cfg["rms_norm_eps"], target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"]
+    eps = target_cfg["rms_norm_eps"]
+    heads, kv_heads = target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"]
     hd = target_cfg["hidden_size"] // heads
     with mtp_engine(spec_models["target"], mtp_head) as engine:
         draft = engine.runner.spec.drafter.model
@@ -104,7 +105,8 @@ def test_module_computes_the_documented_formula(spec_models, mtp_head, target_cf
             v = (_rms(x, w[p + "input_layernorm.weight"], eps) @ w[p + "self_attn.v_proj.weight"].T).view(kv_heads, hd)
             x = x + v.repeat_interleave(heads // kv_heads, 0).reshape(1, -1) @ w[p + "self_attn.o_proj.weight"].T
             y = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-            x = x + (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+            act = F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
+            x = x + act @ w[p + "mlp.down_proj.weight"].T
             head = w.get(p + "shared_head.head.weight", tw["lm_head.weight"])
             want = _rms(x, w[p + "shared_head.norm.weight"], eps) @ head.T
 
@@ -268,7 +270,7 @@ def test_pipeline_passes_the_stream_checker(spec_models, mtp_head, reference, mo
 
 def test_fewer_steps_than_modules(spec_models, mtp_head, reference):
     with mtp_engine(spec_models["target"], mtp_head, steps=2) as engine:
-        assert engine.runner.spec.drafter.kv_cache.k.__len__() == 2  # the unused module gets no KV
+        assert len(engine.runner.spec.drafter.kv_cache.k) == 2  # the unused module gets no KV
         outs = engine.generate(input_ids=PROMPTS[:12], sampling_params=greedy())
         assert [o.token_ids for o in outs] == reference[:12]
 
