@@ -9,6 +9,9 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    # Before importing the kernels: on a CPU, tests/unit compiles them for the interpreter.
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
 from tandem.layers.attention.base import AttentionBatch  # noqa: E402

@@ -319,6 +319,25 @@ def test_always_right_head_is_always_accepted(copy_pair, steps):
         assert engine.runner.spec.stats.mean_accept_length == steps + 1
 
 
+def test_preemption_recomputes_module_state(spec_models, mtp_head, reference):
+    """A KV pool too small for all requests forces retraction mid-speculation; the recomputed
+    prefill rebuilds every module's lagging state and the output is unchanged."""
+    with mtp_engine(spec_models["target"], mtp_head, max_total_tokens=140) as engine:
+        preempted = []
+        schedule = engine.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            preempted.extend(out.preempted_ids)
+            return out
+
+        engine.scheduler.schedule = spy
+        outs = engine.generate(input_ids=PROMPTS[:10], sampling_params=greedy())
+        assert preempted, "the pool was meant to force preemption"
+        assert [o.token_ids for o in outs] == reference[:10]
+        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+
+
 def test_abort_mid_run_frees_pages(spec_models, mtp_head):
     with mtp_engine(spec_models["target"], mtp_head) as engine:
         total = engine.scheduler.allocator.num_total

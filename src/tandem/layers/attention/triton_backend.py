@@ -123,8 +123,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc, part_ml,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        metadata.query_index.stride(0), query_valid.stride(0) if query_valid is not None else 0,
-        metadata.kv_slots.stride(0),
+        *metadata.query_index.stride(), *(query_valid.stride() if query_valid is not None else (0, 0)),
+        *metadata.kv_slots.stride(),
         *((mask.stride(0), mask.stride(2), mask.stride(3)) if mask is not None else (0, 0, 0)),
         num_heads, lq, lkv, num_q_blocks, cfg.blocks_per_split,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -137,7 +137,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if cfg.num_splits > 1:
         merge_splits_kernel[(num_rows * lq, num_heads)](
             part_acc, part_ml, out, metadata.query_index, query_valid if query_valid is not None else dummy,
-            *out.stride(), metadata.query_index.stride(0), query_valid.stride(0) if query_valid is not None else 0,
+            *out.stride(), *metadata.query_index.stride(), *(query_valid.stride() if query_valid is not None else (0, 0)),
             num_heads, lq,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=cfg.num_splits,
             BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), HAS_VALID=query_valid is not None,

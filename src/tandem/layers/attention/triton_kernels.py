@@ -26,7 +26,7 @@ def attention_kernel(
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
-    stride_qib, stride_qvb, stride_kvb,
+    stride_qib, stride_qij, stride_qvb, stride_qvj, stride_kvb, stride_kvj,  # [B, Lq] / [B, Lkv] metadata
     stride_mb, stride_mq, stride_mk,
     num_heads, Lq, Lkv, num_q_blocks, blocks_per_split,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -52,13 +52,13 @@ def attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    tok = tl.load(QueryIndex + b * stride_qib + qi, mask=row_ok, other=0).to(tl.int64)  # flat token row
+    tok = tl.load(QueryIndex + b * stride_qib + qi * stride_qij, mask=row_ok, other=0).to(tl.int64)  # flat token row
     q = tl.load(Q + tok[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     if HAS_VALID:
-        valid = row_ok & (tl.load(QueryValid + b * stride_qvb + qi, mask=row_ok, other=0) != 0)
+        valid = row_ok & (tl.load(QueryValid + b * stride_qvb + qi * stride_qvj, mask=row_ok, other=0) != 0)
     else:
         valid = row_ok
 
@@ -92,7 +92,7 @@ def attention_kernel(
             # Padded KV windows (speculative plans) leave whole blocks masked: skip their K/V loads.
             any_allowed = tl.max(allowed.to(tl.int32)) > 0
         if any_allowed:
-            slots = tl.load(KvSlots + b * stride_kvb + cols, mask=col_ok, other=0).to(tl.int64)
+            slots = tl.load(KvSlots + b * stride_kvb + cols * stride_kvj, mask=col_ok, other=0).to(tl.int64)
             k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :] * stride_kd,
                         mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             if UPCAST:
@@ -130,7 +130,7 @@ def attention_kernel(
 @triton.jit
 def merge_splits_kernel(
     PartAcc, PartMl, Out, QueryIndex, QueryValid,
-    stride_on, stride_oh, stride_od, stride_qib, stride_qvb,
+    stride_on, stride_oh, stride_od, stride_qib, stride_qij, stride_qvb, stride_qvj,
     num_heads, Lq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_VALID: tl.constexpr,
@@ -153,8 +153,8 @@ def merge_splits_kernel(
     d_ok = offs_d < HEAD_DIM
     if HAS_VALID:
         # Loaded as a vector (one address): triton's interpreter rejects a scalar & vector store mask.
-        valid = tl.load(QueryValid + b * stride_qvb + qi + offs_d * 0) != 0
-        out_row = tl.load(QueryIndex + b * stride_qib + qi).to(tl.int64)
+        valid = tl.load(QueryValid + b * stride_qvb + qi * stride_qvj + offs_d * 0) != 0
+        out_row = tl.load(QueryIndex + b * stride_qib + qi * stride_qij).to(tl.int64)
         tl.store(Out + out_row * stride_on + head * stride_oh + offs_d * stride_od,
                  out.to(Out.dtype.element_ty), mask=d_ok & valid)
     else:
