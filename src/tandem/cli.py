@@ -13,6 +13,7 @@ import typing
 
 from tandem.engine.engine import EngineArgs
 from tandem.train.cli import add_train_draft_parser
+from tandem.train.demo_cli import add_make_demo_pair_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
     add_train_draft_parser(sub)
+    add_make_demo_pair_parser(sub)
     return parser
 
 

@@ -1,31 +1,40 @@
-"""The demo model that `Engine()` and `tandem generate` use when no model path is given.
+"""The bundled demo pair that `Engine()` and `tandem generate` use when no model path is given.
 
-Until the trained demo pair is bundled, this is a tiny Llama with random weights and a byte-level
-tokenizer, made on first use in the cache directory: the whole pipeline runs, the text is noise.
+A small Llama target (6 layers, hidden 384, 12.6M parameters) and its EAGLE-3 head (3.8M), trained on
+the Python standard library's source by `tandem make-demo-pair` and stored in float16 under
+`tandem/demo_models/` (upcast to float32 on a CPU). docs/demo_pair.md has the command, the held-out
+packages and the measured results (also in `demo_models/results.json`).
+
+With no model path the engine runs the pair: the target, drafted by its head (EAGLE-3, chain of 3
+drafts unless the speculative flags say otherwise). Greedy output is the target's own, token for
+token; for the target alone, pass its path: `Engine(model_path=demo_model_paths()[0])`.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 
-from tandem import envs
-
-logger = logging.getLogger(__name__)
-
-TINY_RANDOM_NAME = "tiny-random-llama-v1"
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_models")
 
 
-def demo_model_paths() -> tuple[str, str | None]:
-    """(target directory, draft directory); the draft is None until a trained head is bundled."""
-    path = os.path.join(envs.cache_dir(), TINY_RANDOM_NAME)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        make_tiny_random_llama(path)
-    return path, None
+def demo_model_paths() -> tuple[str, str]:
+    """(target directory, EAGLE-3 head directory) of the bundled demo pair."""
+    return os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "eagle3")
+
+
+def with_demo_pair(args):
+    """`EngineArgs` with no model path, completed with the demo pair: the target, and its head unless
+    another draft or algorithm was asked for (EAGLE3 without a draft path gets the head too)."""
+    target, head = demo_model_paths()
+    changes = {"model_path": target}
+    if args.speculative_draft_model_path is None and args.speculative_algorithm in (None, "EAGLE3"):
+        changes.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    return dataclasses.replace(args, **changes)
 
 
 def byte_level_tokenizer():
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens plus <s>, </s>, <pad>."""
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens plus <s>, </s>, <pad> (for tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,21 +45,3 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
-def make_tiny_random_llama(path: str, seed: int = 0) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    logger.info("making the placeholder demo model in %s", path)
-    tokenizer = byte_level_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )
-    torch.manual_seed(seed)
-    tmp = path + ".tmp"
-    LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)  # atomic: a half-written directory is never used

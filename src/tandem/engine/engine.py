@@ -62,10 +62,10 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
         args = EngineArgs(model_path=model_path, **kwargs)
-        if args.model_path is None:
-            from tandem.demo import demo_model_paths
+        if args.model_path is None:  # the bundled demo pair: its target, drafted by its EAGLE-3 head
+            from tandem.demo import with_demo_pair
 
-            args = EngineArgs(**{**args.__dict__, "model_path": demo_model_paths()[0]})
+            args = with_demo_pair(args)
         if args.tp_size != 1 or args.dp_size != 1:
             raise NotImplementedError("tp_size/dp_size > 1 are not supported yet")
         if args.speculative_algorithm is not None and args.speculative_draft_model_path is None:

@@ -45,7 +45,8 @@ def acceptance(target_dir: str, draft_dir: str, prompts: list[list[int]], drafti
     lengths = [n for o in outs for n in o.spec_accept_lengths]
     return {"mean_accept_length": sum(lengths) / len(lengths), "verify_steps": len(lengths),
             "generated_tokens": sum(len(o.token_ids) for o in outs), "prompts": len(prompts),
-            "temperature": temperature, "histogram": dict(sorted(Counter(lengths).items()))}
+            "temperature": temperature,
+            "histogram": {str(k): v for k, v in sorted(Counter(lengths).items())}}  # str keys, as in JSON
 
 
 def acceptance_table(target_dir: str, draft_dir: str, prompts: list[list[int]], max_new_tokens: int,
