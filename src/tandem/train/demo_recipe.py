@@ -102,6 +102,8 @@ def make_demo_pair(output_dir: str, recipe: DemoRecipe, stdlib_dir: str | None =
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target_dir, draft_dir = os.path.join(output_dir, "target"), os.path.join(output_dir, "eagle3")
     work_dir = os.path.join(output_dir, ".work")
+    if os.path.isfile(os.path.join(output_dir, "results.json")):
+        os.remove(os.path.join(output_dir, "results.json"))  # its entries measured the old weights
     clock = _Clock()
     torch.manual_seed(seed)
 
