@@ -19,6 +19,11 @@ PRESETS = {
                          head_dim=64, tie_word_embeddings=True),
     "llama-3.1-8b": dict(LLAMA3_COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          head_dim=128, tie_word_embeddings=False),
+    # For tests only: a ~0.1M-parameter model that runs the whole bench path on a CPU in seconds.
+    "tiny-test": dict(LLAMA3_COMMON, vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="float32", tie_word_embeddings=False,
+                      rope_scaling=dict(LLAMA3_COMMON["rope_scaling"], original_max_position_embeddings=64)),
 }
 
 
@@ -31,7 +36,8 @@ def write_preset(name: str, root: str) -> tuple[str, str]:
     head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                     "rms_norm_eps", "rope_theta", "max_position_embeddings", "rope_scaling",
                                     "vocab_size", "intermediate_size", "torch_dtype")}
-    head_cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=32000,
+    head_cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                    draft_vocab_size=min(32000, cfg["vocab_size"]),
                     target_hidden_size=cfg["hidden_size"])
     for path, c in ((target, cfg), (head, head_cfg)):
         os.makedirs(path, exist_ok=True)

@@ -210,6 +210,12 @@ class SpecWorker:
 
     # ---- acceptance ---------------------------------------------------------------------------
     def _accept(self, chunks, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
+        # BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
+        # this attribute; nothing else does (it is no Engine argument, CLI flag or server option). It
+        # REPLACES verification: the emitted tokens are then the draft's, not the target's.
+        synthetic = getattr(self, "bench_synthetic_acceptance", None)
+        if synthetic is not None:
+            return synthetic(tree, logits)
         b, n_nodes, vocab = logits.shape
         penalized = any(c.sampling_params.needs_penalties for c in chunks)
         rows = [r for i, c in enumerate(chunks) for r in self._node_rows(c, tree, i, penalized)]

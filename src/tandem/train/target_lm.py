@@ -151,7 +151,8 @@ def train_lm(config: dict, docs: list[list[int]], train: LMTraining, device: tor
         bar.update(1)
     bar.close()
     model.eval()
-    record = {"steps_done": total, "steps_planned": train.steps, "tokens_seen": total * train.batch_size * train.seq_len,
+    record = {"steps_done": total, "steps_planned": train.steps,
+              "tokens_seen": total * train.batch_size * train.seq_len,
               "epochs": total / sampler.batches_per_epoch, "train_seconds": time.perf_counter() - start,
               "final_loss": history[-1]["loss"] if history else None, "loss_history": history}
     return model, record

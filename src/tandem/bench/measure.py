@@ -1,0 +1,101 @@
+"""One timed offline run: a batch of prompts added at once and stepped to completion."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tandem.request import SamplingParams
+
+
+def random_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """A different random prompt per request (one repeated prompt would flatter caches and drafts).
+    Keyed by (seed, batch), so spec on, spec off and transformers see the same prompts."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
+    low = min(1000, vocab_size // 8)  # above most special tokens
+    return torch.randint(low, vocab_size, (batch, input_len), generator=gen).tolist()
+
+
+@dataclass
+class RunMetrics:
+    batch_size: int
+    output_tokens: int
+    total_s: float  # first add_request .. last request finished
+    tokens_per_s: float  # output tokens / total_s (prefill included)
+    ttft_ms: float  # mean time to a request's first token
+    ms_per_output_token: float | None  # mean over requests of (finish - first token) / (tokens - 1): what one user sees
+    iteration_ms: float | None  # mean engine step, once every request has its first token
+    decode_iterations: int
+    mean_accept_length: float | None = None  # tokens per verify step (accepted drafts + 1); spec only
+    accept_per_position: list[float] | None = None  # share of verify steps that accepted draft k+1; spec only
+
+    def as_dict(self) -> dict:
+        return {k: rounded(v) for k, v in asdict(self).items()}
+
+
+def rounded(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    return [rounded(x) for x in v] if isinstance(v, list) else v
+
+
+def run_batch(engine, prompts: list[list[int]], output_len: int,
+              temperature: float = 0.0) -> tuple[RunMetrics, list[list[int]]]:
+    """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, ignore_eos=True)
+    spec = engine.runner.spec
+    before = _spec_counts(spec)
+    _sync(engine)
+    t0 = time.perf_counter()
+    rids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, list[int]]] = {}
+    decode_start, decode_steps = None, 0
+    while len(done) < len(rids):
+        out = engine.step()
+        now = time.perf_counter()
+        if decode_start is not None:
+            decode_steps += 1
+        for d in out.deltas:
+            if d.token_ids:
+                first.setdefault(d.request_id, now)
+        for f in out.finished:
+            done[f.request_id] = (now, f.token_ids)
+        if decode_start is None and len(first) == len(rids):
+            decode_start = now
+    t1 = time.perf_counter()
+    while engine.has_unfinished():  # overlap: the step launched ahead of the last results
+        engine.step()
+    tokens = [done[r][1] for r in rids]
+    n_out = sum(len(t) for t in tokens)
+    per_token = [(done[r][0] - first[r]) / (len(done[r][1]) - 1) for r in rids if len(done[r][1]) > 1]
+    metrics = RunMetrics(
+        batch_size=len(prompts), output_tokens=n_out, total_s=t1 - t0, tokens_per_s=n_out / (t1 - t0),
+        ttft_ms=1e3 * sum(first[r] - t0 for r in rids) / len(rids),
+        ms_per_output_token=1e3 * sum(per_token) / len(per_token) if per_token else None,
+        iteration_ms=1e3 * (t1 - decode_start) / decode_steps if decode_steps else None,
+        decode_iterations=decode_steps,
+    )
+    if spec is not None:
+        after = _spec_counts(spec)
+        drafts = after[0] - before[0]
+        if drafts:
+            metrics.mean_accept_length = 1 + (after[1] - before[1]) / drafts
+            old = before[2] + [0] * (len(after[2]) - len(before[2]))
+            metrics.accept_per_position = [(a - b) / drafts for a, b in zip(after[2], old)]
+    return metrics, tokens
+
+
+def _spec_counts(spec) -> tuple[int, int, list[int]]:
+    """Verify steps, accepted drafts, and accepted drafts per depth, so far (the stats are cumulative)."""
+    if spec is None:
+        return 0, 0, []
+    s = spec.stats
+    return s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_position)
+
+
+def _sync(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)

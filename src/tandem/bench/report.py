@@ -1,0 +1,96 @@
+"""What `tandem bench` writes: the JSON record, two PNG plots and a table on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def plot(result: dict, stem: str) -> list[str]:
+    """`<stem>-throughput.png` (tokens/s and speedup vs batch size) and, with speculation,
+    `<stem>-acceptance.png` (acceptance per draft position). Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    rows = result["batches"]
+    sizes = [r["batch_size"] for r in rows]
+    label = result.get("label")
+    title = f"tandem bench: {result['model']['name']} ({result['device']}, {result['dtype']})"
+    if label:
+        title += f"\n{label} (p={result['synthetic_acceptance']['p']})"
+    paths = []
+
+    fig, (ax_tps, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, name, style in (("spec_on", "speculation on", "o-"), ("spec_off", "speculation off", "s-"),
+                             ("hf", "transformers generate", "^--")):
+        pts = [(r["batch_size"], r[key]["tokens_per_s"]) for r in rows if r.get(key) and "tokens_per_s" in r[key]]
+        if pts:
+            ax_tps.plot(*zip(*pts), style, label=name)
+    ax_tps.set(xscale="log", xlabel="batch size", ylabel="output tokens/s", title="throughput")
+    ax_tps.legend()
+    pts = [(r["batch_size"], r["speedup"]) for r in rows if r.get("speedup") is not None]
+    if pts:
+        ax_speed.plot(*zip(*pts), "o-", label="speculation on / off")
+        ax_speed.axhline(1.0, color="grey", lw=0.8)
+        ax_speed.legend()
+    ax_speed.set(xscale="log", xlabel="batch size", ylabel="speedup (tokens/s ratio)", title="speedup")
+    for ax in (ax_tps, ax_speed):
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+    fig.suptitle(title, fontsize=10, color="red" if label else "black")
+    fig.tight_layout()
+    paths.append(f"{stem}-throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    accept = [r for r in rows if r.get("spec_on") and r["spec_on"].get("accept_per_position")]
+    if accept:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for r in accept:
+            per_pos = r["spec_on"]["accept_per_position"]
+            ax.plot(range(1, len(per_pos) + 1), per_pos, "o-",
+                    label=f"batch {r['batch_size']} (mean length {r['spec_on']['mean_accept_length']:.2f})")
+        ax.set(xlabel="draft position", ylabel="share of verify steps accepting it", ylim=(0, 1.05),
+               title="acceptance per position")
+        ax.set_xticks(range(1, len(accept[0]["spec_on"]["accept_per_position"]) + 1))
+        ax.legend(fontsize=8)
+        fig.suptitle(title, fontsize=10, color="red" if label else "black")
+        fig.tight_layout()
+        paths.append(f"{stem}-acceptance.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def table(result: dict) -> str:
+    """A fixed-width summary, one line per batch size."""
+    lines = []
+    label = result.get("label")
+    if label:
+        lines.append(f"*** {label} (p={result['synthetic_acceptance']['p']}) ***")
+    lines.append(f"{'batch':>5} {'spec tok/s':>11} {'plain tok/s':>11} {'speedup':>7} {'spec ms/tok':>11} "
+                 f"{'plain ms/tok':>12} {'spec iter ms':>12} {'accept len':>10} {'hf tok/s':>9} {'hf match':>8}")
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    for r in result["batches"]:
+        on, off, hf = r.get("spec_on") or {}, r.get("spec_off") or {}, r.get("hf") or {}
+        match = (hf.get("match_spec_off") or {}).get("requests_equal")
+        lines.append(
+            f"{r['batch_size']:>5} {num(on.get('tokens_per_s'), '11.1f')} {num(off.get('tokens_per_s'), '11.1f')} "
+            f"{num(r.get('speedup'), '7.2f')} {num(on.get('ms_per_output_token'), '11.2f')} "
+            f"{num(off.get('ms_per_output_token'), '12.2f')} {num(on.get('iteration_ms'), '12.2f')} "
+            f"{num(on.get('mean_accept_length'), '10.2f')} {num(hf.get('tokens_per_s'), '9.1f')} "
+            f"{num(match, '8.0%')}")
+    if label:
+        lines.append(f"*** {label} ***")
+    return "\n".join(lines)

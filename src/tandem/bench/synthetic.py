@@ -1,0 +1,75 @@
+"""Synthetic acceptance, for `tandem bench --synthetic-acceptance P` only.
+
+Random-weight presets accept almost nothing, so they cannot show what speculation gains at a given
+acceptance rate. This rule replaces verification: each drafted node is accepted with probability P,
+independently, and the walk from the root moves to the first accepted child of the current node
+(for a chain: a prefix whose length is geometric, capped at num_steps). The target still runs the
+whole verify forward and its argmax gives the bonus token, so the work per step is what real
+verification does; but the emitted tokens are the DRAFT's, not the target's output.
+
+It is reachable only through `install`, which `tandem bench` calls: it is not an `Engine` argument,
+a CLI flag of `generate`/`serve`, or a server option, and every bench output that used it carries
+`LABEL`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.spec.tree import DraftTree
+from tandem.spec.verify import AcceptResult
+from tandem.spec.verify import _result as pack_accept_result  # packs accepted nodes + bonus, as the real rules do
+
+LABEL = "SYNTHETIC ACCEPTANCE: outputs are not the model's"
+
+
+def synthetic_accept(tree: DraftTree, target_argmax: Tensor, uniforms: Tensor, p: float) -> AcceptResult:
+    """The greedy walk of `greedy_accept` with a coin in place of the token match.
+
+    target_argmax: [B, N], used only for the bonus token; uniforms: [B, N] in [0, 1) (column 0 unused).
+    """
+    batch, num_nodes = tree.tokens.shape
+    rows = torch.arange(batch, device=tree.tokens.device)
+    heads = uniforms < p  # [B, N] each node's coin
+    cur = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # [B] deepest accepted node
+    accepted = torch.zeros(batch, num_nodes, dtype=torch.bool, device=tree.tokens.device)  # [B, N]
+    accepted[:, 0] = True
+    for c in range(1, num_nodes):
+        # Children follow their parent in index order, so the first child with heads wins.
+        accept = (tree.parents[:, c] == cur) & heads[:, c]
+        accepted[:, c] = accept
+        cur = torch.where(accept, c, cur)
+    return pack_accept_result(tree, accepted, bonus=target_argmax[rows, cur])
+
+
+def expected_accept_length(p: float, num_steps: int) -> float:
+    """Mean tokens per verify step of a chain of num_steps drafts: 1 + p + p^2 + ... + p^num_steps."""
+    return sum(p ** k for k in range(num_steps + 1))
+
+
+class SyntheticAcceptance:
+    """The hook `SpecWorker._accept` calls instead of verification: (tree, logits [B, N, V]) -> AcceptResult."""
+
+    def __init__(self, p: float, seed: int):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"--synthetic-acceptance must be in [0, 1] (got {p})")
+        self.p = p
+        self.seed = seed
+        self._gen: torch.Generator | None = None  # made on the logits' device at the first step
+
+    def __call__(self, tree: DraftTree, logits: Tensor) -> AcceptResult:
+        if self._gen is None:
+            self._gen = torch.Generator(device=logits.device).manual_seed(self.seed)
+        uniforms = torch.rand(tree.tokens.shape, generator=self._gen, device=logits.device)  # [B, N]
+        return synthetic_accept(tree, logits.argmax(-1), uniforms, self.p)
+
+
+def install(engine, p: float, seed: int = 0) -> SyntheticAcceptance:
+    """Makes `engine`'s verification synthetic (see the module docstring). `tandem bench` only."""
+    spec = engine.runner.spec
+    if spec is None:
+        raise ValueError("--synthetic-acceptance needs speculative decoding (it replaces verification)")
+    rule = SyntheticAcceptance(p, seed)
+    spec.bench_synthetic_acceptance = rule
+    return rule
