@@ -36,7 +36,8 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     """Serves until SIGTERM / Ctrl-C; returns the exit status."""
     import uvicorn
 
-    from tandem.demo import demo_model_paths
+    from tandem.demo import with_demo_pair
+    from tandem.engine.engine import EngineArgs
     from tandem.server.app import build_app
     from tandem.server.engine_client import EngineClient
     from tandem.tokenizer import load_tokenizer
@@ -44,9 +45,10 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     model_path = engine_kwargs.get("model_path")
     model_name = args.served_model_name or model_path or "tandem-demo"
     if model_path is None:
-        model_path = demo_model_paths()[0]
-        logger.info("no --model-path: serving the bundled demo model (%s)", model_path)
-    engine_kwargs = {**engine_kwargs, "model_path": model_path}
+        # The bundled pair: the target with its EAGLE-3 head, as Engine() does.
+        engine_kwargs = dict(vars(with_demo_pair(EngineArgs(**engine_kwargs))))
+        model_path = engine_kwargs["model_path"]
+        logger.info("no --model-path: serving the bundled demo pair (%s)", model_path)
 
     logger.info("starting the engine core for %s", model_path)
     client = EngineClient(engine_kwargs, args.log_level)

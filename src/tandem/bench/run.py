@@ -1,0 +1,267 @@
+"""`tandem bench`: offline latency and throughput over batch sizes, speculation on and off side by side
+in one process (one engine after the other, same prompts), optionally against transformers.
+
+Each batch size adds B random prompts of input_len tokens at once and runs them to exactly output_len
+tokens each (ignore_eos). Weights are a real checkpoint, the bundled demo pair, or random weights in a
+named shape (`--preset`, with a random EAGLE-3 head). Random heads accept almost nothing, so presets
+measure the pipeline's cost; `--synthetic-acceptance P` measures what a head accepting with
+probability P would gain (its outputs are then not the model's: see bench/synthetic.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from tandem.bench import report, synthetic
+from tandem.bench.measure import random_prompts, rounded, run_batch
+from tandem.bench.presets import PRESETS, write_preset
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MODES = ("spec_on", "spec_off")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engine_kwargs: dict  # EngineArgs fields, as the CLI parsed them
+    preset: str | None = None
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    input_len: int = 256
+    output_len: int = 256
+    spec: str = "both"  # both | on | off
+    synthetic_acceptance: float | None = None
+    compare_hf: bool = False
+    temperature: float = 0.0
+    out: str | None = None  # None: bench/results/bench-<name>-<date>.json
+    plots: bool = True
+    progress: bool = True
+    warmup: bool = True
+    command: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+        if self.preset is not None and self.engine_kwargs.get("model_path") is not None:
+            raise ValueError("give --preset or --model-path, not both")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1 (got {list(self.batch_sizes)})")
+        if self.input_len < 1 or self.output_len < 2:
+            raise ValueError(f"--input-len >= 1 and --output-len >= 2 are required "
+                             f"(got {self.input_len}, {self.output_len})")
+        if self.spec not in ("both", "on", "off"):
+            raise ValueError(f"--spec must be both, on or off (got {self.spec!r})")
+        if self.synthetic_acceptance is not None:
+            if self.spec == "off":
+                raise ValueError("--synthetic-acceptance replaces verification: it needs speculation (--spec on/both)")
+            if not 0.0 <= self.synthetic_acceptance <= 1.0:
+                raise ValueError(f"--synthetic-acceptance must be in [0, 1] (got {self.synthetic_acceptance})")
+        if self.compare_hf and self.temperature != 0.0:
+            raise ValueError("--compare-hf compares greedy outputs: use --temperature 0")
+
+    @property
+    def modes(self) -> list[str]:
+        return {"both": list(MODES), "on": ["spec_on"], "off": ["spec_off"]}[self.spec]
+
+
+def resolve_engine_kwargs(cfg: BenchConfig, preset_dir: str) -> dict:
+    """The speculative engine's arguments: the preset's or demo pair's paths filled in, and a KV pool
+    and batch cap that hold every request of the largest batch at full length (no preemption)."""
+    kw = dict(cfg.engine_kwargs)
+    if cfg.preset is not None:
+        if kw.get("speculative_draft_model_path") or kw.get("speculative_algorithm") not in (None, "EAGLE3"):
+            raise ValueError("--preset drafts with its own random EAGLE-3 head: leave --speculative-algorithm "
+                             "and --speculative-draft-model-path unset")
+        target, head = write_preset(cfg.preset, preset_dir)
+        kw.update(model_path=target, load_format="dummy", speculative_algorithm="EAGLE3",
+                  speculative_draft_model_path=head)
+    elif kw.get("model_path") is None:
+        from tandem.demo import demo_model_paths
+
+        target, head = demo_model_paths()
+        kw["model_path"] = target
+        if kw.get("speculative_draft_model_path") is None and kw.get("speculative_algorithm") in (None, "EAGLE3"):
+            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    if "spec_on" in cfg.modes and kw.get("speculative_algorithm") is None:
+        raise ValueError("speculation needs --speculative-algorithm and --speculative-draft-model-path "
+                         "(or --preset, or no --model-path for the demo pair); or pass --spec off")
+    max_batch = max(cfg.batch_sizes)
+    kw["max_running_requests"] = max(kw.get("max_running_requests") or 0, max_batch)
+    if kw.get("context_length") is None:
+        kw["context_length"] = cfg.input_len + cfg.output_len + 1
+    if kw.get("max_total_tokens") is None:
+        page = kw.get("page_size") or 16
+        # Worst case per request: its tokens plus a lookahead for this step and the ones in flight.
+        lookahead = 3 * max(kw.get("speculative_num_draft_tokens") or 0,
+                            (kw.get("speculative_num_steps") or 0) * (kw.get("speculative_eagle_topk") or 1))
+        pages = -(-(kw["context_length"] + lookahead) // page) + 1
+        kw["max_total_tokens"] = max_batch * pages * page
+    return kw
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Runs every (mode, batch size) and writes the JSON (and plots); returns the JSON record."""
+    import torch
+    from tqdm import tqdm
+
+    from tandem import Engine
+
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as preset_dir:
+        spec_kw = resolve_engine_kwargs(cfg, preset_dir)
+        plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
+        rows = {b: {"batch_size": b} for b in cfg.batch_sizes}
+        tokens: dict[tuple[str, int], list[list[int]]] = {}
+        n_runs = len(cfg.modes) * len(cfg.batch_sizes) + (len(cfg.batch_sizes) if cfg.compare_hf else 0)
+        bar = tqdm(total=n_runs, desc="tandem bench", unit="run", disable=not cfg.progress)
+        engine = None
+        info = {}
+        try:
+            for i, mode in enumerate(cfg.modes):
+                engine = Engine(**(spec_kw if mode == "spec_on" else plain_kw))
+                info = info or _run_info(engine)
+                if mode == "spec_on" and cfg.synthetic_acceptance is not None:
+                    synthetic.install(engine, cfg.synthetic_acceptance, seed=spec_kw.get("seed") or 0)
+                vocab = engine.arch.vocab_size
+                if cfg.warmup:  # first-call costs (allocator, kernel selection) stay out of the numbers
+                    run_batch(engine, random_prompts(max(cfg.batch_sizes), cfg.input_len, vocab, seed=10_007),
+                              min(cfg.output_len, 8), cfg.temperature)
+                for b in cfg.batch_sizes:
+                    bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
+                    prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
+                    metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature)
+                    _check_lengths(toks, cfg.output_len)
+                    row = metrics.as_dict()
+                    if mode == "spec_off":
+                        row.pop("mean_accept_length")
+                        row.pop("accept_per_position")
+                    elif cfg.synthetic_acceptance is not None:
+                        row["label"] = synthetic.LABEL
+                    rows[b][mode] = row
+                    tokens[(mode, b)] = toks
+                    bar.update()
+                if cfg.compare_hf and i == len(cfg.modes) - 1:
+                    _compare_hf(cfg, engine, rows, tokens, bar)
+                engine.shutdown()
+                engine = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        finally:
+            bar.close()
+            if engine is not None:
+                engine.shutdown()
+
+    for row in rows.values():
+        on, off = row.get("spec_on"), row.get("spec_off")
+        if on and off:
+            row["speedup"] = round(on["tokens_per_s"] / off["tokens_per_s"], 4)
+            if on["ms_per_output_token"] and off["ms_per_output_token"]:
+                row["latency_speedup"] = round(off["ms_per_output_token"] / on["ms_per_output_token"], 4)
+    result = _record(cfg, spec_kw, info, list(rows.values()))
+    out = cfg.out or os.path.join("bench", "results",
+                                  f"bench-{result['model']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    result["json"] = out
+    if cfg.plots:
+        result["plots"] = report.plot(result, os.path.splitext(out)[0])
+    report.write_json(result, out)
+    return result
+
+
+def _compare_hf(cfg: BenchConfig, engine, rows: dict, tokens: dict, bar) -> None:
+    """transformers' greedy generate on the last engine's weights, per batch size (OOM: recorded)."""
+    import torch
+
+    from tandem.bench.hf_compare import build_hf_model, run_hf, token_agreement
+
+    model = build_hf_model(engine, copy_weights=engine.args.load_format == "dummy")
+    vocab = engine.arch.vocab_size
+    engine.shutdown()  # its weights now live in the transformers model too
+    gc.collect()
+    if cfg.warmup:
+        run_hf(model, random_prompts(1, cfg.input_len, vocab, seed=10_007), 2)
+    for b in cfg.batch_sizes:
+        bar.set_postfix_str(f"transformers, batch {b}")
+        prompts = random_prompts(b, cfg.input_len, vocab, seed=cfg.engine_kwargs.get("seed") or 0)
+        try:
+            metrics, toks = run_hf(model, prompts, cfg.output_len)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            rows[b]["hf"] = {"error": "out of memory"}
+            bar.update()
+            continue
+        hf = metrics.as_dict()
+        for key in ("mean_accept_length", "accept_per_position"):
+            hf.pop(key)
+        if ("spec_off", b) in tokens:
+            hf["match_spec_off"] = token_agreement(tokens[("spec_off", b)], toks)
+        if ("spec_on", b) in tokens and cfg.synthetic_acceptance is None:
+            hf["match_spec_on"] = token_agreement(tokens[("spec_on", b)], toks)
+        rows[b]["hf"] = hf
+        bar.update()
+    del model
+
+
+def _check_lengths(toks: list[list[int]], output_len: int) -> None:
+    short = [len(t) for t in toks if len(t) != output_len]
+    if short:
+        raise RuntimeError(f"requests finished with {short} tokens instead of {output_len} (context too short?)")
+
+
+def _run_info(engine) -> dict:
+    import torch
+
+    device = engine.runner.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"device": name, "dtype": str(engine.runner.dtype).removeprefix("torch."), "torch": torch.__version__,
+            "vocab_size": engine.arch.vocab_size}
+
+
+def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> dict:
+    model_path = spec_kw["model_path"]
+    name = cfg.preset or ("demo" if cfg.engine_kwargs.get("model_path") is None
+                          else os.path.basename(os.path.normpath(model_path)))
+    algorithm = spec_kw.get("speculative_algorithm")
+    draft = None
+    if algorithm is not None and "spec_on" in cfg.modes:
+        draft = {"algorithm": algorithm,
+                 "path": None if cfg.preset else spec_kw.get("speculative_draft_model_path"),
+                 "num_steps": spec_kw["speculative_num_steps"], "eagle_topk": spec_kw["speculative_eagle_topk"],
+                 "num_draft_tokens": spec_kw["speculative_num_draft_tokens"]}
+    result = {
+        "tool": "tandem bench",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": cfg.command or sys.argv,
+        **{k: info.get(k) for k in ("device", "dtype", "torch")},
+        "model": {"name": name, "preset": cfg.preset, "model_path": None if cfg.preset else model_path,
+                  "load_format": spec_kw.get("load_format"), "draft": draft},
+        "input_len": cfg.input_len, "output_len": cfg.output_len, "temperature": cfg.temperature,
+        "batch_sizes": list(cfg.batch_sizes), "modes": cfg.modes,
+        "synthetic_acceptance": None,
+        "engine_args": {k: v for k, v in spec_kw.items() if not (cfg.preset and k.endswith("model_path"))},
+        "batches": rows,
+    }
+    if cfg.synthetic_acceptance is not None:
+        p = cfg.synthetic_acceptance
+        chain = spec_kw["speculative_eagle_topk"] == 1
+        result["label"] = synthetic.LABEL
+        result["synthetic_acceptance"] = {
+            "p": p, "label": synthetic.LABEL,
+            # Closed form for chains only; a tree's walk also tries later siblings.
+            "expected_mean_accept_length": rounded(synthetic.expected_accept_length(
+                p, spec_kw["speculative_num_steps"])) if chain else None,
+        }
+        # The label first, so it is the first thing a reader of the file sees.
+        result = {"label": result.pop("label"), **result}
+    return result
+
+
+def replace(cfg: BenchConfig, **changes) -> BenchConfig:
+    return dataclasses.replace(cfg, **changes)
