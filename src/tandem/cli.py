@@ -11,6 +11,7 @@ import logging
 import sys
 import typing
 
+from tandem.bench.cli import add_bench_parser
 from tandem.engine.engine import EngineArgs
 from tandem.train.cli import add_train_draft_parser
 from tandem.train.demo_cli import add_make_demo_pair_parser
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
     add_train_draft_parser(sub)
     add_make_demo_pair_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -69,6 +69,15 @@ class SpeculativeConfig:
                              f"{self.num_steps} steps of top-{self.eagle_topk} can draft ({max_tree})")
 
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a decode needs past its last token: the verify tree's nodes and the draft's
+        scratch nodes (DESIGN §3). Also the most tokens one verify step can produce."""
+        if self.algorithm is None:
+            return 0
+        return max(self.num_draft_tokens, (self.num_steps - 1) * self.eagle_topk)
+
+
 @dataclass(frozen=True)
 class ModelLoadConfig:
     model_path: str

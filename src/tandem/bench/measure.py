@@ -59,7 +59,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
         if decode_start is not None:
             decode_steps += 1
         for d in out.deltas:
-            if d.token_ids:
+            if d.new_token_ids:
                 first.setdefault(d.request_id, now)
         for f in out.finished:
             done[f.request_id] = (now, f.token_ids)

@@ -7,8 +7,8 @@ import json
 import os
 
 LLAMA3_COMMON = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
-    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, num_attention_heads=32,
+    num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
     eos_token_id=128001, torch_dtype="bfloat16",
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},

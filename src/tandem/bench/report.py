@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 
 
 def write_json(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -58,6 +56,11 @@ def plot(result: dict, stem: str) -> list[str]:
             per_pos = r["spec_on"]["accept_per_position"]
             ax.plot(range(1, len(per_pos) + 1), per_pos, "o-",
                     label=f"batch {r['batch_size']} (mean length {r['spec_on']['mean_accept_length']:.2f})")
+        expected = (result.get("synthetic_acceptance") or {}).get("expected_mean_accept_length")
+        if expected is not None:  # a chain under synthetic acceptance: position k is reached with p^k
+            p, depth = result["synthetic_acceptance"]["p"], len(accept[0]["spec_on"]["accept_per_position"])
+            ax.plot(range(1, depth + 1), [p ** k for k in range(1, depth + 1)], "k--", lw=1,
+                    label=f"expected p^k (mean length {expected:.2f})")
         ax.set(xlabel="draft position", ylabel="share of verify steps accepting it", ylim=(0, 1.05),
                title="acceptance per position")
         ax.set_xticks(range(1, len(accept[0]["spec_on"]["accept_per_position"]) + 1))

@@ -10,7 +10,6 @@ probability P would gain (its outputs are then not the model's: see bench/synthe
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -26,15 +25,14 @@ from tandem.bench.presets import PRESETS, write_preset
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("spec_on", "spec_off")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     engine_kwargs: dict  # EngineArgs fields, as the CLI parsed them
+    batch_sizes: tuple[int, ...]
     preset: str | None = None
-    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     input_len: int = 256
     output_len: int = 256
     spec: str = "both"  # both | on | off
@@ -169,6 +167,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     out = cfg.out or os.path.join("bench", "results",
                                   f"bench-{result['model']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     result["json"] = out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if cfg.plots:
         result["plots"] = report.plot(result, os.path.splitext(out)[0])
     report.write_json(result, out)
@@ -261,7 +260,3 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> di
         # The label first, so it is the first thing a reader of the file sees.
         result = {"label": result.pop("label"), **result}
     return result
-
-
-def replace(cfg: BenchConfig, **changes) -> BenchConfig:
-    return dataclasses.replace(cfg, **changes)

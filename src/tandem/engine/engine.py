@@ -101,8 +101,7 @@ class Engine:
         torch.manual_seed(args.seed)
         self.runner = ModelRunner(self.config, self.arch, max_model_len, **(_runner_hooks or {}))
         spec = self.config.speculative
-        # Room past a decode for the verify tree and the draft's scratch nodes (DESIGN §3).
-        lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk) if spec.algorithm else 0
+        lookahead = spec.num_lookahead_tokens
         # A request whose worst case exceeds the whole pool could never be scheduled, even alone.
         capacity = self.runner.num_pages * args.page_size - lookahead + 1
         if capacity < self.max_model_len:

@@ -99,9 +99,8 @@ class ModelRunner:
     def _build_spec_worker(self, draft, max_model_len: int) -> SpecWorker:
         spec, sched = self.config.speculative, self.config.scheduler
         attn = _first_attention(draft)
-        lookahead = max(spec.num_draft_tokens, (spec.num_steps - 1) * spec.eagle_topk)
         # A request's pages cover its tokens, a run still in flight, and this step's lookahead.
-        max_pages = -(-(max_model_len + 3 * lookahead) // self.page_size)
+        max_pages = -(-(max_model_len + 3 * spec.num_lookahead_tokens) // self.page_size)
         feature = None
         if draft.target_hidden == "final":
             feature = self.arch.hidden_size

@@ -1,0 +1,59 @@
+"""`tandem bench`: the subcommand's flags. Kept out of tandem/cli.py so that file only registers it;
+nothing here imports torch until the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.bench.presets import PRESETS
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def add_bench_parser(sub) -> None:
+    from tandem.cli import add_engine_args  # tandem.cli is loaded by now: it is what calls this
+
+    p = sub.add_parser(
+        "bench", help="offline latency/throughput over batch sizes, speculation on vs off",
+        description="Offline latency and throughput at each batch size, with speculation on and off side by "
+                    "side in one process; writes a JSON record and PNG plots. Weights: --model-path, --preset "
+                    "(random weights in a named shape, with a random EAGLE-3 head), or neither (the demo pair).")
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="random weights (load_format=dummy) in a named shape, drafted by a random EAGLE-3 head")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (random ids)")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
+    p.add_argument("--spec", choices=["both", "on", "off"], default="both",
+                   help="run with speculation, without, or both and report the speedup (default)")
+    p.add_argument("--synthetic-acceptance", type=float, default=None, metavar="P",
+                   help="BENCHMARK ONLY: accept each draft token with probability P instead of verifying it; "
+                        "outputs are then the draft's, not the model's (every output is labelled)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run transformers' greedy generate on the same weights and prompts")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/bench-<name>-<date>.json); "
+                                               "plots go beside it")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per engine")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from tandem.bench import report
+    from tandem.bench.run import BenchConfig, run_bench
+    from tandem.cli import engine_kwargs
+
+    cfg = BenchConfig(
+        engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
+        input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
+        synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
+        out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
+        command=["tandem", *sys.argv[1:]],
+    )
+    result = run_bench(cfg)
+    print(report.table(result))
+    print(f"wrote {result['json']}" + "".join(f"\nwrote {p}" for p in result.get("plots", [])))
+    return 0

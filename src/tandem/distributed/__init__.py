@@ -1,0 +1,2 @@
+"""Tensor parallelism on torch.distributed: process groups and collectives (parallel_state), and the
+processes of ranks 1..N-1 that mirror rank 0's model steps (launcher)."""
