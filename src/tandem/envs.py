@@ -5,11 +5,6 @@ from __future__ import annotations
 import os
 
 
-def cache_dir() -> str:
-    """Where tandem keeps files it makes itself (the placeholder demo model)."""
-    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-
-
 def stream_check() -> bool:
     """TANDEM_STREAM_CHECK=1 turns on the run-time checker of cross-stream ordering."""
     return os.environ.get("TANDEM_STREAM_CHECK", "0") == "1"
