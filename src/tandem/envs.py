@@ -20,3 +20,10 @@ def stream_delay_buffers() -> frozenset[str]:
     without the [iteration] suffix); empty means every cross-stream write."""
     raw = os.environ.get("TANDEM_STREAM_DELAY_BUFFERS", "")
     return frozenset(b for b in raw.split(",") if b)
+
+
+def tp_timeout_s() -> float:
+    """TANDEM_TP_TIMEOUT_S: how long rank 0 and the model collectives wait for a tensor-parallel peer
+    before failing (a rank that dies outright is noticed sooner: its sockets close, or its process
+    is found dead before the next step)."""
+    return float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))

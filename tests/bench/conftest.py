@@ -9,7 +9,7 @@ from tandem.cli import main
 from tests.models.tiny_checkpoints import make_checkpoint
 from tests.spec.draft_checkpoints import write_eagle3_head
 
-FAST = ["--device", "cpu", "--no-progress", "--no-warmup", "--page-size", "4"]
+FAST = ["--device", "cpu", "--no-progress", "--page-size", "4"]
 
 
 @pytest.fixture(scope="session")

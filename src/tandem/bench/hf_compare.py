@@ -32,6 +32,7 @@ def build_hf_model(engine, copy_weights: bool) -> nn.Module:
 
         with torch.device(device), default_dtype(dtype), no_init_weights():  # every parameter is overwritten
             model = model_cls(config)
+        model.tie_weights()  # skipped with the initialisation: without it a tied lm_head stays garbage
         load_tandem_weights(model, engine.runner.model)
     else:
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
@@ -62,7 +63,9 @@ def hf_state_dict(tandem_model: nn.Module) -> dict[str, torch.Tensor]:
 def load_tandem_weights(hf_model: nn.Module, tandem_model: nn.Module) -> None:
     missing, unexpected = hf_model.load_state_dict(hf_state_dict(tandem_model), strict=False)
     if getattr(hf_model.config, "tie_word_embeddings", False):
-        missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
+        if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
+            raise ValueError("transformers model: lm_head is not tied to the embedding")
+        missing = [m for m in missing if m != "lm_head.weight"]  # it is the embedding
     if missing or unexpected:
         raise ValueError(f"tandem -> transformers weights: missing {missing}, unexpected {unexpected}")
 

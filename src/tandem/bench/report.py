@@ -82,18 +82,18 @@ def table(result: dict) -> str:
     lines.append(f"{'batch':>5} {'spec tok/s':>11} {'plain tok/s':>11} {'speedup':>7} {'spec ms/tok':>11} "
                  f"{'plain ms/tok':>12} {'spec iter ms':>12} {'accept len':>10} {'hf tok/s':>9} {'hf match':>8}")
 
-    def num(v, fmt):
-        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+    def num(v, width: int, fmt: str) -> str:
+        return format(v, f"{width}{fmt}") if isinstance(v, (int, float)) else "-".rjust(width)
 
     for r in result["batches"]:
         on, off, hf = r.get("spec_on") or {}, r.get("spec_off") or {}, r.get("hf") or {}
-        match = (hf.get("match_spec_off") or {}).get("requests_equal")
-        lines.append(
-            f"{r['batch_size']:>5} {num(on.get('tokens_per_s'), '11.1f')} {num(off.get('tokens_per_s'), '11.1f')} "
-            f"{num(r.get('speedup'), '7.2f')} {num(on.get('ms_per_output_token'), '11.2f')} "
-            f"{num(off.get('ms_per_output_token'), '12.2f')} {num(on.get('iteration_ms'), '12.2f')} "
-            f"{num(on.get('mean_accept_length'), '10.2f')} {num(hf.get('tokens_per_s'), '9.1f')} "
-            f"{num(match, '8.0%')}")
+        match = (hf.get("match_spec_off") or hf.get("match_spec_on") or {}).get("requests_equal")
+        lines.append(" ".join([
+            f"{r['batch_size']:>5}", num(on.get("tokens_per_s"), 11, ".1f"), num(off.get("tokens_per_s"), 11, ".1f"),
+            num(r.get("speedup"), 7, ".2f"), num(on.get("ms_per_output_token"), 11, ".2f"),
+            num(off.get("ms_per_output_token"), 12, ".2f"), num(on.get("iteration_ms"), 12, ".2f"),
+            num(on.get("mean_accept_length"), 10, ".2f"), num(hf.get("tokens_per_s"), 9, ".1f"),
+            num(match, 8, ".0%")]))
     if label:
         lines.append(f"*** {label} ***")
     return "\n".join(lines)

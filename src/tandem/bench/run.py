@@ -11,7 +11,6 @@ probability P would gain (its outputs are then not the model's: see bench/synthe
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import platform
 import sys
@@ -22,8 +21,6 @@ from dataclasses import dataclass, field
 from tandem.bench import report, synthetic
 from tandem.bench.measure import random_prompts, rounded, run_batch
 from tandem.bench.presets import PRESETS, write_preset
-
-logger = logging.getLogger(__name__)
 
 MODES = ("spec_on", "spec_off")
 
@@ -191,7 +188,7 @@ def _compare_hf(cfg: BenchConfig, engine, rows: dict, tokens: dict, bar) -> None
         prompts = random_prompts(b, cfg.input_len, vocab, seed=cfg.engine_kwargs.get("seed") or 0)
         try:
             metrics, toks = run_hf(model, prompts, cfg.output_len)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             rows[b]["hf"] = {"error": "out of memory"}
             bar.update()

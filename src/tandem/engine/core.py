@@ -120,6 +120,7 @@ def run_engine_core(engine_kwargs: dict, input_addr: str, output_addr: str, pare
 
         engine = Engine(**engine_kwargs)
         EngineCore(engine, inputs, outputs, parent_pid).run()
+        engine.shutdown()  # tensor parallelism: lets the other ranks exit
     except BaseException as e:
         logger.exception("engine core failed")
         outputs.send(ipc.encode(ipc.CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))

@@ -66,8 +66,10 @@ class Engine:
             from tandem.demo import with_demo_pair
 
             args = with_demo_pair(args)
-        if args.tp_size != 1 or args.dp_size != 1:
-            raise NotImplementedError("tp_size/dp_size > 1 are not supported yet")
+        if args.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1 (got {args.tp_size})")
+        if args.dp_size != 1:
+            raise NotImplementedError("dp_size > 1 is not supported yet")
         if args.speculative_algorithm is not None and args.speculative_draft_model_path is None:
             raise ValueError(f"speculative_algorithm={args.speculative_algorithm!r} needs "
                              "speculative_draft_model_path")
@@ -99,7 +101,13 @@ class Engine:
         from tandem.runtime.model_runner import ModelRunner
 
         torch.manual_seed(args.seed)
-        self.runner = ModelRunner(self.config, self.arch, max_model_len, **(_runner_hooks or {}))
+        if args.tp_size > 1:  # this process is rank 0; the other ranks mirror its steps
+            from tandem.distributed.launcher import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(args.tp_size, self.config, self.arch, max_model_len, args.seed,
+                                                **(_runner_hooks or {}))
+        else:
+            self.runner = ModelRunner(self.config, self.arch, max_model_len, **(_runner_hooks or {}))
         spec = self.config.speculative
         lookahead = spec.num_lookahead_tokens
         # A request whose worst case exceeds the whole pool could never be scheduled, even alone.
@@ -227,6 +235,9 @@ class Engine:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     def shutdown(self) -> None:
+        close = getattr(self.runner, "close", None)  # tensor parallelism: stop the other ranks
+        if close is not None:
+            close()
         self.runner = None
 
     def __enter__(self):

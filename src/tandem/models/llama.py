@@ -2,6 +2,11 @@
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are stored merged
 (`qkv_proj`, `gate_up_proj`); `PACKED_MODULES` tells the loader where each checkpoint tensor goes.
+
+Tensor parallelism (`tp`, a `TPGroup` of size > 1): each rank holds num_heads / tp query heads and
+their KV heads (replicated when there are fewer KV heads than ranks), and intermediate / tp MLP
+columns; q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (one all-reduce
+each), the embedding and lm_head vocabulary-parallel. Without `tp` (drafts) everything is replicated.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from tandem.layers.attention.base import AttentionBackend
-from tandem.layers.linear import Linear, MergedLinear, default_weight_loader
+from tandem.distributed.parallel_state import TPGroup, kv_heads_layout, split_evenly
+from tandem.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, default_weight_loader
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tandem.models.hf_config import ModelArchConfig
 
 # checkpoint name fragment -> (our parameter's name fragment, shard id)
@@ -39,16 +46,25 @@ class StepContext:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding, in_features: int | None = None):
+    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding, in_features: int | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = split_evenly(cfg.num_heads, tp.size, "num_attention_heads")  # on this rank
+        self.num_kv_heads, kv_block = kv_heads_layout(cfg.num_kv_heads, tp)
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        num_kv_blocks = cfg.num_kv_heads // self.num_kv_heads
+        blocks = {"q": (tp.rank, tp.size), "k": (kv_block, num_kv_blocks), "v": (kv_block, num_kv_blocks)}
         # in_features differs from hidden_size only in EAGLE-3's draft layer (embedding and hidden side by side).
         self.qkv_proj = MergedLinear(in_features or cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias)
+                                     cfg.qkv_bias, shard_blocks=blocks if tp.size > 1 else None)
+        if tp.size > 1:
+            self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        else:
+            self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotation
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -72,10 +88,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
+        tp = tp or TPGroup.single()
+        local = split_evenly(intermediate, tp.size, "intermediate_size")
+        blocks = {"gate": (tp.rank, tp.size), "up": (tp.rank, tp.size)} if tp.size > 1 else None
+        self.gate_up_proj = MergedLinear(hidden, {"gate": local, "up": local}, bias, shard_blocks=blocks)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp) if tp.size > 1 else \
+            Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -83,10 +103,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelArchConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp=tp)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -96,22 +116,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.weight_loader = default_weight_loader
+        if tp is not None and tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens.weight.weight_loader = default_weight_loader
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp or TPGroup.single()
+        self.model = LlamaModel(cfg, max_positions, self.tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        elif self.tp.size > 1:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -132,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x), [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:  # every rank gets the full-vocabulary logits (all-gather)
+            return self.model.embed_tokens.logits(hidden, None if self.lm_head is None else self.lm_head.weight)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -56,16 +56,35 @@ def checkpoint_files(model_path: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(model_path: str, desc: str = "loading weights"):
-    """Yields (name, tensor) for every tensor of the checkpoint, with a progress bar."""
+def iter_checkpoint(model_path: str, desc: str = "loading weights", lazy: bool = False):
+    """Yields (name, tensor) for every tensor of the checkpoint, with a progress bar. With `lazy`,
+    safetensors tensors come as `LazyTensor`s: a tensor-parallel rank reads only its slice."""
     files = checkpoint_files(model_path)
     handles = [_open(f) for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc=desc, unit="tensor", leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if lazy and not isinstance(handle, _PickledCheckpoint):
+                    yield name, LazyTensor(handle.get_slice(name))
+                else:  # a pickled checkpoint is mmapped: narrowing it reads only the slice too
+                    yield name, handle.get_tensor(name)
                 bar.update(1)
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: `shape`, `read()` (all of it), `read_slice(dim, start, n)`."""
+
+    def __init__(self, safe_slice):
+        self._slice = safe_slice
+        self.shape = tuple(safe_slice.get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:] if self.shape else self._slice[()]
+
+    def read_slice(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple(slice(start, start + length) if i == dim else slice(None) for i in range(len(self.shape)))
+        return self._slice[index]
 
 
 class _PickledCheckpoint:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
+from tandem.distributed.parallel_state import TPGroup, kv_heads_layout
 from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
@@ -63,8 +64,11 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, max_model_len: int,
-                 device_module=None, stream_faults: FaultInjection = FaultInjection()):
+                 device_module=None, stream_faults: FaultInjection = FaultInjection(), tp: TPGroup | None = None):
         self.config = config
+        # Tensor parallelism: this rank's shard of the target; the draft is replicated on every rank.
+        self.tp = tp or TPGroup.single()
+        self.num_kv_heads, _ = kv_heads_layout(arch.num_kv_heads, self.tp)
         # Tests pass a recording stand-in for the device module and faults for negative controls.
         self.device_module = device_module
         self.stream_faults = stream_faults
@@ -75,13 +79,14 @@ class ModelRunner:
         # Verification runs rope up to num_draft_tokens past the last real position.
         max_positions = max_model_len + (spec.num_draft_tokens + spec.num_steps * spec.eagle_topk
                                          if spec.algorithm else 0)
-        self.model = build_target_model(config.load, arch, max_positions=max_positions)
+        self.model = build_target_model(config.load, arch, max_positions=max_positions, tp=self.tp)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         draft = None
         if spec.algorithm is not None:
             draft = build_draft_model(spec.algorithm, spec.draft_model_path, self.model, config.load, max_positions)
-        self.num_pages = config.cache.num_pages or self._pages_that_fit(draft)
-        self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, arch.num_kv_heads,
+        # Every rank must have the same pages: rank 0's scheduler hands out page ids for all of them.
+        self.num_pages = self.tp.all_reduce_min(config.cache.num_pages or self._pages_that_fit(draft))
+        self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, self.num_kv_heads,
                                 arch.head_dim, self.dtype, self.device)
         if config.attention_backend == "triton":
             from tandem.layers.attention.triton_backend import TritonAttentionBackend  # imports triton
@@ -123,7 +128,7 @@ class ModelRunner:
         return SpecWorker(self, drafter, spec.num_draft_tokens, streams)
 
     def _pages_that_fit(self, draft) -> int:
-        per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.arch.num_kv_heads,
+        per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.num_kv_heads,
                                           self.arch.head_dim, self.dtype)
         if draft is not None:
             attn = _first_attention(draft)

@@ -168,7 +168,7 @@ class SpecWorker:
         hidden, aux = runner.model(tree.tokens.reshape(-1), positions, ctx,
                                    aux_layer_ids=self.drafter.model.aux_layer_ids)
         logits = runner.model.compute_logits(hidden).view(b, n_nodes, -1)  # [B, N, V]
-        accept = self._accept(chunks, tree, logits)
+        accept = self._same_on_every_rank(self._accept(chunks, tree, logits))
         self._compact_target_kv(vplan, accept)
         s.write("seq_lens", "main")
         pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
@@ -225,6 +225,18 @@ class SpecWorker:
         probs = logits_to_probs(flat, rows).view(b, n_nodes, vocab)
         uniforms, noise = self._randomness(chunks, n_nodes, vocab, logits.device)
         return tree_rejection_sample(tree, probs, uniforms, noise)
+
+    def _same_on_every_rank(self, accept: AcceptResult) -> AcceptResult:
+        """Tensor parallelism: every rank takes rank 0's decisions. Each rank already has the same
+        full-vocabulary logits (all-gathered), but sampling draws from a generator whose state we do
+        not want correctness to hang on, so rank 0's accepted tokens are broadcast instead: three
+        small tensors per step, on the device (no host sync). Every rank's KV, draft state and
+        next tree then stay identical."""
+        tp = self.runner.tp
+        if tp.size == 1:
+            return accept
+        return AcceptResult(*(tp.broadcast_(t.contiguous()) for t in
+                              (accept.accept_lens, accept.path, accept.out_tokens)))
 
     def _node_rows(self, c: ScheduledChunk, tree: DraftTree, i: int, any_penalties: bool) -> list[SampleRow]:
         """Sampler rows for every tree node. With penalties, a node's output history extends along its
@@ -296,7 +308,7 @@ class SpecWorker:
                                device=hidden.device)
             rows = [self._prefill_row(c) for c in sampling]
             out = sample(runner.model.compute_logits(hidden[idx]), rows)
-            sampled = out.token_ids
+            sampled = runner.tp.broadcast_(out.token_ids.contiguous())  # see _same_on_every_rank
             slots = torch.tensor([pool.slot(c.request_id) for c in sampling], device=hidden.device)
             s.write("seq_lens", "main")
             pool.verified_id[slots] = sampled

@@ -1,0 +1,240 @@
+"""Starts the tensor-parallel ranks and keeps ranks 1..N-1 in step with rank 0.
+
+Rank 0 is the `Engine`'s process: it owns the scheduler and, before each step, broadcasts the
+`SchedulerOutput` (pickled, on the gloo control group); every rank then runs the same model step, so
+their collectives pair up. Ranks 1..N-1 run `worker_loop`: receive, launch, collect, until rank 0
+sends None.
+
+Rendezvous uses torch.distributed's standard environment variables (MASTER_ADDR, MASTER_PORT,
+WORLD_SIZE, RANK). On one machine tandem sets them itself (a free local port) and spawns the other
+ranks; across machines the user sets them and starts `python -m tandem.distributed.worker` on each
+rank other than 0. Workers get the engine configuration from rank 0, so they take no model flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tandem import envs
+from tandem.distributed.parallel_state import TPGroup
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+# Workers block on the control group while the engine is idle, for as long as it is idle.
+WORKER_CONTROL_TIMEOUT = timedelta(days=30)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering; the engine cannot continue."""
+
+
+def init_tp_group(world_size: int, rank: int, device: torch.device, control_timeout: timedelta) -> TPGroup:
+    """Joins the process group described by the rendezvous environment variables."""
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        raise TensorParallelError("torch.distributed is already initialised in this process: one "
+                                  "tensor-parallel engine per process")
+    dist.init_process_group(backend, init_method="env://", world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=envs.tp_timeout_s()))
+    control = dist.new_group(backend="gloo", timeout=control_timeout)
+    return TPGroup(rank, world_size, dist.group.WORLD, control)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_env(tp_size: int) -> tuple[dict, bool]:
+    """The rendezvous variables, and whether tandem must spawn the other ranks on this machine."""
+    if "WORLD_SIZE" in os.environ:  # launched by the user (several machines, or torchrun)
+        env = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
+        missing = [k for k, v in env.items() if v is None]
+        if missing:
+            raise ValueError(f"WORLD_SIZE is set, so tensor parallelism expects {missing} too")
+        if int(env["WORLD_SIZE"]) != tp_size:
+            raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} but tp_size={tp_size}")
+        if int(env["RANK"]) != 0:
+            raise ValueError(f"the engine runs on rank 0 (RANK={env['RANK']}); start the other ranks "
+                             "with `python -m tandem.distributed.worker`")
+        return env, False
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+           "WORLD_SIZE": str(tp_size), "RANK": "0"}
+    return env, True
+
+
+def start_tensor_parallel(tp_size: int, config, arch, max_model_len: int, seed: int, **runner_hooks):
+    """Rank 0: starts (or joins) the other ranks and returns its runner."""
+    from tandem.runtime.model_runner import ModelRunner
+
+    env, spawn = _rendezvous_env(tp_size)
+    workers = []
+    if spawn:
+        ctx = multiprocessing.get_context("spawn")  # no inherited threads or CUDA state
+        for rank in range(1, tp_size):
+            p = ctx.Process(target=_spawned_worker, name=f"tandem-tp-rank{rank}", daemon=True,
+                            args=({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, torch.get_num_threads()))
+            p.start()
+            workers.append(p)
+    saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
+    os.environ.update(env)
+    tp = None
+    try:
+        device = torch.device(config.load.device)
+        tp = init_tp_group(tp_size, 0, device, timedelta(seconds=envs.tp_timeout_s()))
+        tp.broadcast_object((config, arch, max_model_len, seed))
+        runner = ModelRunner(config, arch, max_model_len, tp=tp, **runner_hooks)
+    except BaseException as e:
+        lead = TensorParallelRunner(None, tp, workers)
+        dead = lead.dead_ranks(wait_s=2.0)
+        lead.close()
+        if dead:
+            raise TensorParallelError(f"tensor-parallel startup failed: {dead}") from e
+        raise
+    finally:
+        for k, v in saved.items():  # the variables described this engine only
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    logger.info("tensor parallelism: %d ranks (%s)", tp_size, "spawned here" if spawn else "external")
+    return TensorParallelRunner(runner, tp, workers)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: sends each step to the other ranks, runs it, and turns a dead rank into a
+    clear error instead of a hang. Everything else is the local `ModelRunner`'s."""
+
+    def __init__(self, runner, tp: TPGroup | None, workers: list):
+        self.runner = runner
+        self.tp = tp
+        self.workers = workers  # processes of the ranks spawned here (none when launched externally)
+        self._closed = False
+
+    def __getattr__(self, name):  # num_pages, spec, model, ...
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    def dead_ranks(self, wait_s: float = 0.0) -> str:
+        """'' if every spawned rank is alive; else which ones died and how. Waits up to `wait_s` for
+        a rank that is dying (its sockets closed before its process was reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
+                    for i, p in enumerate(self.workers) if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return "; ".join(dead)
+            time.sleep(0.05)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel group is shut down")
+        dead = self.dead_ranks()
+        if dead:
+            raise TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
+
+    def _failed(self, e: BaseException):
+        dead = self.dead_ranks(wait_s=2.0)
+        reason = f"tensor-parallel {dead}" if dead else f"a tensor-parallel collective failed ({e})"
+        return TensorParallelError(f"{reason}; the engine cannot continue")
+
+    def launch(self, sched):
+        self._check()  # before the broadcast: a dead peer would make it (or the step) hang or fail
+        try:
+            self.tp.broadcast_object(sched)
+            return self.runner.launch(sched)
+        except (RuntimeError, dist.DistBackendError) as e:
+            if isinstance(e, TensorParallelError):
+                raise
+            raise self._failed(e) from e
+
+    def collect(self, handle):
+        try:
+            return self.runner.collect(handle)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise self._failed(e) from e
+
+    def execute(self, sched):
+        handle = self.launch(sched)
+        from tandem.runtime.model_runner import StepResult
+
+        return StepResult() if handle is None else self.collect(handle)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Tells the other ranks to exit (if they are all alive), then ends the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.tp is not None and not self.dead_ranks():
+            try:
+                self.tp.broadcast_object(None)
+            except Exception:  # a rank died meanwhile: it is ended below either way
+                pass
+        for p in self.workers:
+            p.join(timeout_s)
+            if p.is_alive():
+                logger.warning("tensor-parallel rank process %d did not exit; killing it", p.pid)
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- ranks 1..N-1 -------------------------------------------------------------------------------
+def worker_main() -> None:
+    """A rank other than 0, described by the rendezvous environment variables."""
+    from tandem.runtime.model_runner import ModelRunner
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # The device type must match rank 0's before the config arrives: the backend depends on it.
+    tp = init_tp_group(world_size, rank, torch.device(device_type), WORKER_CONTROL_TIMEOUT)
+    config, arch, max_model_len, seed = tp.broadcast_object()
+    if torch.device(config.load.device).type != device_type:
+        raise TensorParallelError(f"rank 0 runs on {config.load.device!r}, rank {rank} found {device_type!r}")
+    torch.manual_seed(seed)
+    runner = ModelRunner(config, arch, max_model_len, tp=tp)
+    worker_loop(runner, tp)
+    dist.destroy_process_group()
+
+
+def worker_loop(runner, tp: TPGroup) -> None:
+    inflight = None
+    while True:
+        sched = tp.broadcast_object()
+        if sched is None:
+            break
+        handle = runner.launch(sched)
+        # Like rank 0's overlap loop: collect the previous step once the next is launched; the
+        # handle keeps that step's inputs alive until then.
+        if inflight is not None:
+            runner.collect(inflight)
+        inflight = handle
+    if inflight is not None:
+        runner.collect(inflight)
+
+
+def _spawned_worker(env: dict, num_threads: int) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(num_threads)  # as many as rank 0 uses
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {env['RANK']}] %(name)s: %(message)s")
+    try:
+        worker_main()
+    except BaseException:
+        logger.error("tensor-parallel rank %s failed:\n%s", env["RANK"], traceback.format_exc())
+        raise SystemExit(1)

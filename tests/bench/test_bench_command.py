@@ -1,0 +1,108 @@
+"""`tandem bench` end to end on a CPU: the JSON record, the plots, the table, and `--compare-hf`."""
+
+import glob
+import json
+import os
+
+import pytest
+
+METRICS = {"batch_size", "output_tokens", "total_s", "tokens_per_s", "ttft_ms", "ms_per_output_token",
+           "iteration_ms", "decode_iterations"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_preset_both_modes_writes_json_and_plots(bench, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is relative: bench/results/bench-<preset>-<date>.json
+    rc, _, stdout, _ = bench("--preset", "tiny-test", "--batch-sizes", "1", "3", "--input-len", "8",
+                             "--output-len", "12", out=None)
+    assert rc == 0
+    [path] = glob.glob(str(tmp_path / "bench" / "results" / "bench-tiny-test-*.json"))
+    record = json.load(open(path))
+    assert record["model"]["preset"] == "tiny-test" and record["model"]["load_format"] == "dummy"
+    assert record["model"]["draft"]["algorithm"] == "EAGLE3"
+    assert record["batch_sizes"] == [1, 3] and record["modes"] == ["spec_on", "spec_off"]
+    assert record["synthetic_acceptance"] is None and "label" not in record
+    assert [r["batch_size"] for r in record["batches"]] == [1, 3]
+    for row in record["batches"]:
+        on, off = row["spec_on"], row["spec_off"]
+        assert METRICS | {"mean_accept_length", "accept_per_position"} <= set(on)
+        assert METRICS <= set(off) and "mean_accept_length" not in off
+        assert on["output_tokens"] == off["output_tokens"] == 12 * row["batch_size"]
+        assert 1.0 <= on["mean_accept_length"] <= 4.0 and len(on["accept_per_position"]) == 3
+        assert row["speedup"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"], rel=1e-3)
+        assert row["latency_speedup"] > 0 and "hf" not in row
+    assert len(record["plots"]) == 2
+    for png in record["plots"]:
+        with open(png, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+        assert os.path.dirname(os.path.abspath(png)) == os.path.dirname(path)
+    assert "speedup" in stdout and os.path.relpath(path, tmp_path) in stdout and "SYNTHETIC" not in stdout
+
+
+def test_spec_off_only_and_no_plots(bench, tiny_pair):
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--spec", "off", "--batch-sizes", "2",
+                             "--input-len", "5", "--output-len", "6", "--no-plots")
+    assert rc == 0
+    [row] = record["batches"]
+    assert set(row) == {"batch_size", "spec_off"} and "plots" not in record
+    assert record["model"]["draft"] is None and record["model"]["load_format"] == "safetensors"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spec", "on"], "speculation needs"),  # a checkpoint without a draft
+    (["--preset", "tiny-test"], "--preset or --model-path"),
+    (["--output-len", "1"], "--output-len"),
+    (["--compare-hf", "--temperature", "0.7"], "--temperature 0"),
+])
+def test_bad_arguments_exit_2(bench, tiny_pair, args, message):
+    rc, _, _, stderr = bench("--model-path", tiny_pair[0], *args)
+    assert rc == 2 and message in stderr
+
+
+def test_compare_hf_on_a_checkpoint(bench, tiny_pair):
+    """transformers loads the checkpoint itself (from_pretrained); tandem's greedy tokens, with
+    speculation and without, equal its generate's at every batch size."""
+    target, head, _ = tiny_pair
+    rc, record, stdout, _ = bench("--model-path", target, "--speculative-algorithm", "EAGLE3",
+                                  "--speculative-draft-model-path", head, "--compare-hf", "--batch-sizes", "1", "4",
+                                  "--input-len", "7", "--output-len", "24", "--dtype", "float32")
+    assert rc == 0
+    for row in record["batches"]:
+        hf = row["hf"]
+        assert METRICS <= set(hf) and hf["output_tokens"] == 24 * row["batch_size"] and hf["tokens_per_s"] > 0
+        assert hf["match_spec_off"] == {"requests_equal": 1.0, "first_difference_at": None}
+        assert hf["match_spec_on"] == {"requests_equal": 1.0, "first_difference_at": None}
+    assert "hf tok/s" in stdout
+
+
+def test_compare_hf_on_a_preset_copies_tandems_weights(bench):
+    rc, record, _, _ = bench("--preset", "tiny-test", "--spec", "off", "--compare-hf", "--batch-sizes", "2",
+                             "--input-len", "6", "--output-len", "16", "--no-plots")
+    assert rc == 0
+    assert record["batches"][0]["hf"]["match_spec_off"]["requests_equal"] == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama2_tied", "llama_headdim", "qwen3"])
+def test_transformers_model_from_tandems_weights(tmp_path, family):
+    """The copy --compare-hf makes for random weights: tandem's tensors under transformers' names
+    (merged q/k/v and gate/up split; tied, biased, q/k-normed variants) are exactly the checkpoint's,
+    and the transformers model built from them computes the same logits as the original."""
+    import torch
+
+    from tandem import Engine
+    from tandem.bench.hf_compare import build_hf_model, hf_state_dict
+    from tests.models.tiny_checkpoints import make_checkpoint
+
+    original = make_checkpoint(family, str(tmp_path), seed=1)
+    with Engine(str(tmp_path), device="cpu", dtype="float32", max_total_tokens=64) as engine:
+        ours = hf_state_dict(engine.runner.model)
+        copy = build_hf_model(engine, copy_weights=True)
+    theirs = {k: v for k, v in original.state_dict().items() if not k.endswith("inv_freq")}
+    if original.config.tie_word_embeddings:
+        theirs.pop("lm_head.weight")
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    ids = torch.tensor([[5, 9, 17, 3, 200, 41]])
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, original(ids).logits)

@@ -1,0 +1,75 @@
+"""A rank that dies takes the engine down with a clear error, quickly, instead of a hang; and the
+multi-machine launch (rendezvous through the environment, workers started by hand) works."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tandem import Engine, SamplingParams
+from tandem.distributed.launcher import TensorParallelError
+from tests.distributed.conftest import ENGINE
+from tests.models.tiny_checkpoints import prompts
+
+PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("when", ["idle", "mid_generate"])
+def test_killed_rank_gives_clear_error(tp_models, when):
+    engine = Engine(tp_models["llama3"], tp_size=2, **ENGINE)
+    try:
+        want = engine.generate(input_ids=prompts(2), sampling_params=PARAMS)
+        pid = engine.runner.workers[0].pid
+        if when == "idle":
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+                engine.generate(input_ids=prompts(2), sampling_params=PARAMS)
+        else:
+            # Kill it while rank 0 is between steps of a long generation.
+            for p in prompts(2):
+                engine.add_request(p, SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True))
+            engine.step()
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(TensorParallelError, match="rank 1"):
+                for _ in range(1000):
+                    engine.step()
+        assert time.monotonic() - start < 10
+        assert want  # the engine worked before the kill
+    finally:
+        engine.shutdown()  # must not hang on the dead group either
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_environment_rendezvous_with_external_worker(tp_models, monkeypatch):
+    """What a two-machine launch does, on one machine: rank 0 is the engine, rank 1 is
+    `python -m tandem.distributed.worker`, both told MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import torch; torch.set_num_threads(1); import runpy; "
+                               "runpy.run_module('tandem.distributed.worker', run_name='__main__')"],
+        env={**os.environ, **env, "RANK": "1", "PYTHONPATH": src})
+    try:
+        for k, v in {**env, "RANK": "0"}.items():
+            monkeypatch.setenv(k, v)
+        with Engine(tp_models["llama3"], **ENGINE) as engine:
+            want = [o.token_ids for o in engine.generate(input_ids=prompts(4), sampling_params=PARAMS)]
+        with Engine(tp_models["llama3"], tp_size=2, **ENGINE) as engine:
+            assert engine.runner.workers == []  # nothing spawned: rank 1 came from the environment
+            got = [o.token_ids for o in engine.generate(input_ids=prompts(4), sampling_params=PARAMS)]
+        assert got == want
+        assert worker.wait(timeout=20) == 0  # shutdown told it to exit
+    finally:
+        if worker.poll() is None:
+            worker.kill()
