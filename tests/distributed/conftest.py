@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.models.tiny_checkpoints import make_checkpoint
-from tests.spec.draft_checkpoints import write_eagle3_head, write_eagle_head
+from tests.spec.draft_checkpoints import write_eagle3_head, write_eagle_head, write_mtp_head
 
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
 CHAIN = dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
@@ -26,4 +26,6 @@ def tp_models(tmp_path_factory):
     paths["EAGLE"], paths["EAGLE3"] = str(root / "eagle"), str(root / "eagle3")
     write_eagle_head(paths["EAGLE"], cfg, seed=1)
     write_eagle3_head(paths["EAGLE3"], cfg, seed=2)
+    paths["MTP"] = str(root / "mtp")
+    write_mtp_head(paths["MTP"], cfg, num_modules=3, seed=3, own_heads=(1,))  # module 1 has its own head
     return paths

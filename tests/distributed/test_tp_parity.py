@@ -23,15 +23,20 @@ def test_plain_tp2_equals_tp1(tp_models, family):
     assert got == want
 
 
-@pytest.mark.parametrize("kind,shape", [("EAGLE3", CHAIN), ("EAGLE3", TREE), ("EAGLE", TREE),
-                                        ("SELF", CHAIN), ("SELF", TREE)],
-                         ids=["eagle3-chain", "eagle3-tree", "eagle-tree", "self-chain", "self-tree"])
-def test_speculative_tp2_equals_tp1(tp_models, kind, shape):
-    """SELF (the target drafting for itself, replicated on each rank) accepts long runs, so the
-    multi-token accept, KV compaction and draft-extend paths all run under TP."""
+NO_OVERLAP = dict(disable_overlap_schedule=True)
+
+
+@pytest.mark.parametrize("kind,shape,extra", [
+    ("EAGLE3", CHAIN, {}), ("EAGLE3", TREE, {}), ("EAGLE", TREE, {}), ("MTP", CHAIN, {}),
+    ("SELF", CHAIN, {}), ("SELF", TREE, {}), ("SELF", TREE, NO_OVERLAP)],
+    ids=["eagle3-chain", "eagle3-tree", "eagle-tree", "mtp-chain", "self-chain", "self-tree", "self-tree-no-overlap"])
+def test_speculative_tp2_equals_tp1(tp_models, kind, shape, extra):
+    """Overlap is on unless NO_OVERLAP. SELF (the target drafting for itself, replicated on each
+    rank) accepts long runs, so the multi-token accept, KV compaction and draft-extend paths all run
+    under TP."""
     target = tp_models["llama3"]
     alg, draft = ("STANDALONE", target) if kind == "SELF" else (kind, tp_models[kind])
-    spec = dict(speculative_algorithm=alg, speculative_draft_model_path=draft, **shape)
+    spec = dict(speculative_algorithm=alg, speculative_draft_model_path=draft, **shape, **extra)
     plain = [o.token_ids for o in _generate(target)]
     one = _generate(target, **spec)
     two = _generate(target, tp_size=2, **spec)

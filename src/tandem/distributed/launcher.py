@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tandem import envs
-from tandem.distributed.parallel_state import TPGroup
+from tandem.distributed.parallel_state import TPGroup, check_tp_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def start_tensor_parallel(tp_size: int, config, arch, max_model_len: int, seed: 
     """Rank 0: starts (or joins) the other ranks and returns its runner."""
     from tandem.runtime.model_runner import ModelRunner
 
+    check_tp_shapes(arch, tp_size)
     env, spawn = _rendezvous_env(tp_size)
     workers = []
     if spawn:
@@ -148,26 +149,35 @@ class TensorParallelRunner:
         if dead:
             raise TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
 
-    def _failed(self, e: BaseException):
+    def _failed(self, e: RuntimeError) -> RuntimeError:
+        """The error to raise for `e`: which rank died, if one did; else `e` itself, unless it came
+        from a collective (then the group is unusable)."""
         dead = self.dead_ranks(wait_s=2.0)
-        reason = f"tensor-parallel {dead}" if dead else f"a tensor-parallel collective failed ({e})"
-        return TensorParallelError(f"{reason}; the engine cannot continue")
+        if dead:
+            return TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
+        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+            return TensorParallelError(f"a tensor-parallel collective failed ({e}); the engine cannot continue")
+        return e
 
     def launch(self, sched):
         self._check()  # before the broadcast: a dead peer would make it (or the step) hang or fail
         try:
             self.tp.broadcast_object(sched)
             return self.runner.launch(sched)
-        except (RuntimeError, dist.DistBackendError) as e:
-            if isinstance(e, TensorParallelError):
+        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
+            err = self._failed(e)
+            if err is e:
                 raise
-            raise self._failed(e) from e
+            raise err from e
 
     def collect(self, handle):
         try:
             return self.runner.collect(handle)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise self._failed(e) from e
+        except RuntimeError as e:
+            err = self._failed(e)
+            if err is e:
+                raise
+            raise err from e
 
     def execute(self, sched):
         handle = self.launch(sched)

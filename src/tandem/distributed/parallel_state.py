@@ -79,3 +79,10 @@ def kv_heads_layout(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
         raise ValueError(f"tp_size ({tp.size}) must be a multiple of num_key_value_heads ({num_kv_heads}) "
                          "when it exceeds it")
     return 1, tp.rank // (tp.size // num_kv_heads)
+
+
+def check_tp_shapes(arch, tp_size: int) -> None:
+    """Raises ValueError, before any process starts, if the model cannot be split over tp_size ranks."""
+    split_evenly(arch.num_heads, tp_size, "num_attention_heads")
+    split_evenly(arch.intermediate_size, tp_size, "intermediate_size")
+    kv_heads_layout(arch.num_kv_heads, TPGroup(0, tp_size))
