@@ -27,3 +27,9 @@ def tp_timeout_s() -> float:
     before failing (a rank that dies outright is noticed sooner: its sockets close, or its process
     is found dead before the next step)."""
     return float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))
+
+
+def tp_device() -> str | None:
+    """TANDEM_TP_DEVICE=cpu|cuda: the device type of a tensor-parallel worker rank (set by tandem
+    for the ranks it spawns; for ranks started by hand, default: cuda if available)."""
+    return os.environ.get("TANDEM_TP_DEVICE") or None

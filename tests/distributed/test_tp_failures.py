@@ -54,6 +54,8 @@ def _free_port() -> int:
 def test_environment_rendezvous_with_external_worker(tp_models, monkeypatch):
     """What a two-machine launch does, on one machine: rank 0 is the engine, rank 1 is
     `python -m tandem.distributed.worker`, both told MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK."""
+    with Engine(tp_models["llama3"], **ENGINE) as engine:
+        want = [o.token_ids for o in engine.generate(input_ids=prompts(4), sampling_params=PARAMS)]
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     worker = subprocess.Popen(
@@ -63,8 +65,6 @@ def test_environment_rendezvous_with_external_worker(tp_models, monkeypatch):
     try:
         for k, v in {**env, "RANK": "0"}.items():
             monkeypatch.setenv(k, v)
-        with Engine(tp_models["llama3"], **ENGINE) as engine:
-            want = [o.token_ids for o in engine.generate(input_ids=prompts(4), sampling_params=PARAMS)]
         with Engine(tp_models["llama3"], tp_size=2, **ENGINE) as engine:
             assert engine.runner.workers == []  # nothing spawned: rank 1 came from the environment
             got = [o.token_ids for o in engine.generate(input_ids=prompts(4), sampling_params=PARAMS)]
@@ -73,3 +73,49 @@ def test_environment_rendezvous_with_external_worker(tp_models, monkeypatch):
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+RANK0_SCRIPT = """
+import sys, time, torch
+torch.set_num_threads(1)
+from tandem import Engine, SamplingParams
+
+def main():
+    e = Engine(sys.argv[1], tp_size=2, device="cpu", dtype="float32", page_size=4, max_total_tokens=1024)
+    e.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0))
+    print("WORKER", e.runner.workers[0].pid, flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_worker_exits_when_rank0_dies(tp_models, tmp_path):
+    """No orphans: a worker blocked waiting for the next step notices rank 0's death and exits."""
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_SCRIPT)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    rank0 = subprocess.Popen([sys.executable, str(script), tp_models["llama3"]], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": src}, text=True)
+    try:
+        line = rank0.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited (its parent is gone, init reaps it)
+    except FileNotFoundError:
+        return False

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from tandem import envs
 from tandem.distributed.parallel_state import TPGroup, check_tp_shapes
+from tandem.runtime.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +80,25 @@ def _rendezvous_env(tp_size: int) -> tuple[dict, bool]:
 
 def start_tensor_parallel(tp_size: int, config, arch, max_model_len: int, seed: int, **runner_hooks):
     """Rank 0: starts (or joins) the other ranks and returns its runner."""
-    from tandem.runtime.model_runner import ModelRunner
-
     check_tp_shapes(arch, tp_size)
     env, spawn = _rendezvous_env(tp_size)
     workers = []
+    device = torch.device(config.load.device)
+    if spawn and device.type == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ValueError(f"tp_size={tp_size} needs {tp_size} GPUs on this machine, found {torch.cuda.device_count()}")
     if spawn:
         ctx = multiprocessing.get_context("spawn")  # no inherited threads or CUDA state
         for rank in range(1, tp_size):
+            worker_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                          "TANDEM_TP_DEVICE": torch.device(config.load.device).type}
             p = ctx.Process(target=_spawned_worker, name=f"tandem-tp-rank{rank}", daemon=True,
-                            args=({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, torch.get_num_threads()))
+                            args=(worker_env, torch.get_num_threads()))
             p.start()
             workers.append(p)
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     os.environ.update(env)
     tp = None
     try:
-        device = torch.device(config.load.device)
         tp = init_tp_group(tp_size, 0, device, timedelta(seconds=envs.tp_timeout_s()))
         tp.broadcast_object((config, arch, max_model_len, seed))
         runner = ModelRunner(config, arch, max_model_len, tp=tp, **runner_hooks)
@@ -124,6 +128,7 @@ class TensorParallelRunner:
         self.tp = tp
         self.workers = workers  # processes of the ranks spawned here (none when launched externally)
         self._closed = False
+        self._broken: TensorParallelError | None = None  # set by the first failure: the group is unusable
 
     def __getattr__(self, name):  # num_pages, spec, model, ...
         runner = self.__dict__.get("runner")
@@ -145,19 +150,25 @@ class TensorParallelRunner:
     def _check(self) -> None:
         if self._closed:
             raise TensorParallelError("the tensor-parallel group is shut down")
+        if self._broken is not None:
+            raise TensorParallelError(str(self._broken))
         dead = self.dead_ranks()
         if dead:
-            raise TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
+            self._broken = TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
+            raise self._broken
 
     def _failed(self, e: RuntimeError) -> RuntimeError:
         """The error to raise for `e`: which rank died, if one did; else `e` itself, unless it came
         from a collective (then the group is unusable)."""
         dead = self.dead_ranks(wait_s=2.0)
         if dead:
-            return TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
-        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
-            return TensorParallelError(f"a tensor-parallel collective failed ({e}); the engine cannot continue")
-        return e
+            self._broken = TensorParallelError(f"tensor-parallel {dead}; the engine cannot continue")
+        elif isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+            self._broken = TensorParallelError(f"a tensor-parallel collective failed ({e}); "
+                                               "the engine cannot continue")
+        else:
+            return e
+        return self._broken
 
     def launch(self, sched):
         self._check()  # before the broadcast: a dead peer would make it (or the step) hang or fail
@@ -181,8 +192,6 @@ class TensorParallelRunner:
 
     def execute(self, sched):
         handle = self.launch(sched)
-        from tandem.runtime.model_runner import StepResult
-
         return StepResult() if handle is None else self.collect(handle)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -190,9 +199,12 @@ class TensorParallelRunner:
         if self._closed:
             return
         self._closed = True
-        if self.tp is not None and not self.dead_ranks():
+        if self.tp is not None and self._broken is None and not self.dead_ranks():
             try:
                 self.tp.broadcast_object(None)
+                # Every rank has the message before this one closes its sockets (else a worker
+                # could read the close first and report rank 0 as lost).
+                self.tp.control_barrier()
             except Exception:  # a rank died meanwhile: it is ended below either way
                 pass
         for p in self.workers:
@@ -208,10 +220,8 @@ class TensorParallelRunner:
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------
 def worker_main() -> None:
     """A rank other than 0, described by the rendezvous environment variables."""
-    from tandem.runtime.model_runner import ModelRunner
-
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = envs.tp_device() or ("cuda" if torch.cuda.is_available() else "cpu")
     # The device type must match rank 0's before the config arrives: the backend depends on it.
     tp = init_tp_group(world_size, rank, torch.device(device_type), WORKER_CONTROL_TIMEOUT)
     config, arch, max_model_len, seed = tp.broadcast_object()
@@ -220,14 +230,23 @@ def worker_main() -> None:
     torch.manual_seed(seed)
     runner = ModelRunner(config, arch, max_model_len, tp=tp)
     worker_loop(runner, tp)
-    dist.destroy_process_group()
+    # Exit at once, without tearing the process group down: gloo's teardown races with rank 0's
+    # (it can hang, or abort when rank 0 closes its sockets first), and nothing is left to save.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def worker_loop(runner, tp: TPGroup) -> None:
     inflight = None
     while True:
-        sched = tp.broadcast_object()
+        try:
+            sched = tp.broadcast_object()
+        except RuntimeError as e:  # rank 0's sockets closed: it died; nothing left to serve
+            raise TensorParallelError(f"rank {tp.rank}: lost rank 0 ({e})") from None
         if sched is None:
+            tp.control_barrier()  # pairs with rank 0's close()
             break
         handle = runner.launch(sched)
         # Like rank 0's overlap loop: collect the previous step once the next is launched; the
@@ -245,6 +264,9 @@ def _spawned_worker(env: dict, num_threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {env['RANK']}] %(name)s: %(message)s")
     try:
         worker_main()
+    except TensorParallelError as e:
+        logger.error("%s; exiting", e)
+        raise SystemExit(1)
     except BaseException:
         logger.error("tensor-parallel rank %s failed:\n%s", env["RANK"], traceback.format_exc())
         raise SystemExit(1)

@@ -55,6 +55,9 @@ class TPGroup:
             dist.broadcast(x, src=0, group=self.group)
         return x
 
+    def control_barrier(self) -> None:
+        dist.barrier(group=self.control)
+
     def broadcast_object(self, obj=None):
         """Rank 0 sends `obj` (pickled) on the control group; every rank returns it."""
         box = [obj]

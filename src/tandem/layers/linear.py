@@ -4,10 +4,10 @@ Each parameter gets a `weight_loader(param, tensor, shard_id)`, so the checkpoin
 over safetensors (nano-vllm style). Merged layers (q/k/v, gate/up) load each shard into its slice;
 the shard ids they expect are listed in `param.shard_ids` so the loader can report missing ones.
 
-Tensor parallelism (`tp` argument, a `TPGroup`): column-parallel layers keep a block of output rows,
-row-parallel layers a block of input columns and sum over ranks; the loaders cut this rank's block
-out of the checkpoint tensor, which may be a lazy handle (`read`/`read_slice`, models/loader.py) so a
-rank reads only its slice from disk.
+Tensor parallelism: column-parallel layers (`MergedLinear` with `shard_blocks`) keep a block of
+output rows of each checkpoint tensor; row-parallel layers (`RowParallelLinear`) keep a block of input
+columns and sum over ranks. Their loaders cut this rank's block out of the checkpoint tensor, which
+may be a lazy handle (`read`/`read_slice`, models/loader.py), so a rank reads only its slice.
 """
 
 from __future__ import annotations
@@ -69,15 +69,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class ColumnParallelLinear(Linear):
-    """Output rows split over the ranks; the output stays split (each rank has its own columns of y)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp):
-        super().__init__(in_features, split_evenly(out_features, tp.size, "output features"), bias)
-        for p in self.parameters():
-            p.weight_loader = _block_loader(0, tp.rank, tp.size)
 
 
 class RowParallelLinear(Linear):

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from tandem.layers.attention.base import AttentionBackend
 from tandem.distributed.parallel_state import TPGroup, kv_heads_layout, split_evenly
-from tandem.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, default_weight_loader
+from tandem.layers.linear import Linear, MergedLinear, RowParallelLinear, default_weight_loader
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding

@@ -216,6 +216,8 @@ class ModelRunner:
         if not batch.sample_index:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
+        # Tensor parallelism: every rank samples, but only rank 0's tokens are used (they reach the
+        # other ranks in the next SchedulerOutput); no device state depends on them.
         out = sample(logits, batch.sample_rows)
         token_ids = out.token_ids.tolist()
         for i, rid in enumerate(batch.sample_request_ids):
