@@ -150,11 +150,11 @@ class RequestOutput:
 
 @dataclass
 class RequestDelta:
-    """What one engine step added to one request (for streaming)."""
+    """What one engine step added to one request (for streaming; also the engine process's message)."""
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on the request's last delta
     accept_length: int | None = None  # speculative: tokens this verify step produced
 

@@ -43,9 +43,7 @@ class EngineCore:
                 return  # Shutdown, or the parent is gone
             if self.engine.has_unfinished():
                 out = self.engine.step()
-                deltas = [ipc.TokenDelta(d.request_id, d.new_token_ids, d.new_logprobs, d.finish_reason,
-                                         d.accept_length) for d in out.deltas]
-                self._send(ipc.CoreOutputs(deltas, self.stats()))
+                self._send(ipc.CoreOutputs(out.deltas, self.stats()))
             elif handled:
                 self._send(ipc.CoreOutputs([], self.stats()))  # e.g. pages freed by an abort
 

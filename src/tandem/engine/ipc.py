@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from tandem.request import SamplingParams, TokenLogprob
+from tandem.request import RequestDelta, SamplingParams, TokenLogprob
 
 # ---- front end -> core ------------------------------------------------------------------------
 
@@ -52,15 +52,8 @@ class CoreReady:
     speculative_algorithm: str | None
 
 
-@dataclass
-class TokenDelta:
-    """What one engine step added to one request (tokens only: the front end detokenizes)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # set on the request's last delta
-    accept_length: int | None = None  # speculative: tokens this verify step produced
+# The engine's own per-step delta travels as is: tokens only, the front end detokenizes.
+TokenDelta = RequestDelta
 
 
 @dataclass
