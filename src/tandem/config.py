@@ -102,7 +102,10 @@ class EngineConfig:
     attention_backend: str = "torch"
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
+    cuda_graph_max_bs: int = 0  # 0: no CUDA graphs (always so on a CPU)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be torch or triton (got {self.attention_backend!r})")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0 (got {self.cuda_graph_max_bs})")

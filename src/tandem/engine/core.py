@@ -4,7 +4,8 @@ Loop: take every pending message (add / abort), run one `engine.step()` if there
 its token deltas and a stats snapshot. With no work it blocks on the input socket (no spin),
 waking once a second only to notice that its parent died.
 
-`EngineCoreProcess` is the front end's handle: it spawns the process and ends it.
+`EngineCoreProcess` is the front end's handle: it spawns the process and ends it. With data-parallel
+replicas the front end has one per replica, each with the environment that gives it its own GPUs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import traceback
 
 import zmq
 
+from tandem.distributed.data_parallel import Env, apply_env
 from tandem.engine import ipc
 
 logger = logging.getLogger(__name__)
@@ -101,12 +103,13 @@ class EngineCore:
 
 
 def run_engine_core(engine_kwargs: dict, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: str = "INFO") -> None:
-    """Entry point of the spawned process."""
+                    log_level: str = "INFO", env: Env | None = None, name: str = "engine core") -> None:
+    """Entry point of the spawned process. `env`: a replica's devices, applied before CUDA starts."""
+    apply_env(env or {})
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_addr)
@@ -132,14 +135,15 @@ def run_engine_core(engine_kwargs: dict, input_addr: str, output_addr: str, pare
 class EngineCoreProcess:
     """Spawns the engine core (multiprocessing "spawn": no inherited threads or CUDA state)."""
 
-    def __init__(self, engine_kwargs: dict, log_level: str = "INFO"):
+    def __init__(self, engine_kwargs: dict, log_level: str = "INFO", env: Env | None = None,
+                 name: str = "engine core"):
         self._dir = tempfile.mkdtemp(prefix="tandem-")  # short path: ipc:// names are length-limited
         self.input_addr = f"ipc://{self._dir}/input"
         self.output_addr = f"ipc://{self._dir}/output"
         ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=run_engine_core, name="tandem-engine-core",
+        self.process = ctx.Process(target=run_engine_core, name="tandem-" + name.replace(" ", "-"),
                                    args=(engine_kwargs, self.input_addr, self.output_addr, os.getpid(),
-                                         log_level))
+                                         log_level, env, name))
 
     def start(self) -> None:
         self.process.start()

@@ -42,6 +42,8 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
+    disable_cuda_graph: bool = False  # GPU only: replay captured decode steps instead of launching them
+    cuda_graph_max_bs: int = 64  # largest decode batch captured (capped at max_running_requests)
     tp_size: int = 1
     dp_size: int = 1
 
@@ -69,7 +71,9 @@ class Engine:
         if args.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1 (got {args.tp_size})")
         if args.dp_size != 1:
-            raise NotImplementedError("dp_size > 1 is not supported yet")
+            # Replicas are separate processes behind a router; one Engine is one replica.
+            raise ValueError(f"dp_size={args.dp_size}: the offline Engine runs a single replica; serve "
+                             "data-parallel replicas with `tandem serve --dp-size N`")
         if args.speculative_algorithm is not None and args.speculative_draft_model_path is None:
             raise ValueError(f"speculative_algorithm={args.speculative_algorithm!r} needs "
                              "speculative_draft_model_path")
@@ -93,6 +97,7 @@ class Engine:
             attention_backend=args.attention_backend,
             disable_overlap_schedule=args.disable_overlap_schedule,
             disable_plan_stream=args.disable_plan_stream,
+            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         )
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.eos_token_ids = eos_token_ids(args.model_path, self.arch.eos_token_ids, self.tokenizer)

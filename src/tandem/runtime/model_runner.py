@@ -20,6 +20,8 @@ from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
 from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
+from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all, capture_batch_sizes
+from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.spec.drafter import Drafter
 from tandem.spec.mtp_drafter import MTPDrafter, MTPStatePool
@@ -86,7 +88,10 @@ class ModelRunner:
             draft = build_draft_model(spec.algorithm, spec.draft_model_path, self.model, config.load, max_positions)
         # Every rank must have the same pages: rank 0's scheduler hands out page ids for all of them.
         self.num_pages = self.tp.all_reduce_min(config.cache.num_pages or self._pages_that_fit(draft))
-        self.kv_cache = KVCache(arch.num_layers, self.num_pages, self.page_size, self.num_kv_heads,
+        # One page past the scheduler's pool: the sink that padded rows of a CUDA-graph batch write to.
+        self.sink_page = self.num_pages
+        self.sink_slot = self.sink_page * self.page_size
+        self.kv_cache = KVCache(arch.num_layers, self.num_pages + 1, self.page_size, self.num_kv_heads,
                                 arch.head_dim, self.dtype, self.device)
         if config.attention_backend == "triton":
             from tandem.layers.attention.triton_backend import TritonAttentionBackend  # imports triton
@@ -100,17 +105,71 @@ class ModelRunner:
         # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
         self.histories: dict[str, list[int]] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
+        self.decode_graph: GraphedFunction | None = None
+        if config.cuda_graph_max_bs and self.device.type == "cuda":
+            self._capture_cuda_graphs(max_model_len)
+
+    # ---- CUDA graphs --------------------------------------------------------------------------
+    def _capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Plain decoding: one graph of the target's decode step. Speculative decoding: the draft
+        tree, verify forward and draft extend (spec/phases.py). Prefill chunks stay eager."""
+        sizes = capture_batch_sizes(min(self.config.cuda_graph_max_bs, self.config.scheduler.max_num_seqs))
+        if self.spec is None:
+            max_pages = -(-max_model_len // self.page_size)
+            self.decode_kv_width = max_pages * self.page_size
+            self._decode_staging = torch.zeros(sizes[-1], 2 + max_pages, dtype=torch.long, pin_memory=True)
+            self.decode_graph = GraphedFunction("target decode", self._decode_forward, [
+                GraphInput((), torch.long, 0), GraphInput((), torch.long, 0),
+                GraphInput((max_pages,), torch.long, self.sink_page)], self.device)
+            functions = [self.decode_graph]
+        elif isinstance(self.spec.drafter, MTPDrafter):
+            logger.warning("CUDA graphs are not implemented for MTP drafting: its decode steps run eagerly")
+            return
+        else:
+            pool = self.spec.pool
+            functions = self.spec.phases.build_graphs(pool.staging_pages.shape[1] * self.page_size,
+                                                      self._draft_feature_size(self.spec.drafter.model))
+        capture_all(functions, sizes, self.device)
+
+    def _decode_forward(self, input_ids, positions, page_rows):
+        metadata = decode_metadata(page_rows, positions, self.decode_kv_width, self.page_size,
+                                   self.backend.derives_causal_mask)
+        ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
+        hidden, _ = self.model(input_ids, positions, ctx)
+        return (self.model.compute_logits(hidden),)
+
+    def _graphable_decode(self, sched: SchedulerOutput) -> bool:
+        return (self.decode_graph is not None and self.decode_graph.fits(len(sched.chunks))
+                and all(c.sample and len(c.token_ids) == 1 and c.start_pos > 0 for c in sched.chunks))
+
+    def _decode_logits_graphed(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Decode logits [B, V] of a batch of one-token rows, from the captured graph."""
+        b = len(sched.chunks)
+        # Pinned staging: [token, position, page ids...] per row. Reusing it next step is safe: the
+        # plain step reads its sampled tokens back (a sync) before the host writes here again.
+        staging = self._decode_staging[:b]
+        staging.zero_()
+        for i, c in enumerate(sched.chunks):
+            staging[i, 0] = c.token_ids[0]
+            staging[i, 1] = c.start_pos
+            staging[i, 2:2 + len(c.page_ids)] = torch.tensor(c.page_ids)
+        rows = staging.to(self.device, non_blocking=True)
+        (logits,) = self.decode_graph(rows[:, 0], rows[:, 1], rows[:, 2:])
+        return logits
+
+    def _draft_feature_size(self, draft) -> int | None:
+        if draft.target_hidden == "final":
+            return self.arch.hidden_size
+        if draft.target_hidden == "aux":
+            return len(draft.aux_layer_ids) * self.arch.hidden_size
+        return None
 
     def _build_spec_worker(self, draft, max_model_len: int) -> SpecWorker:
         spec, sched = self.config.speculative, self.config.scheduler
         attn = _first_attention(draft)
         # A request's pages cover its tokens, a run still in flight, and this step's lookahead.
         max_pages = -(-(max_model_len + 3 * spec.num_lookahead_tokens) // self.page_size)
-        feature = None
-        if draft.target_hidden == "final":
-            feature = self.arch.hidden_size
-        elif draft.target_hidden == "aux":
-            feature = len(draft.aux_layer_ids) * self.arch.hidden_size
+        feature = self._draft_feature_size(draft)
         draft_hidden = next(p for n, p in draft.named_parameters() if n.endswith("o_proj.weight")).shape[0]
         if spec.algorithm == "MTP":
             # MTP: one module per draft step, with lagging per-module KV and state (spec/mtp_drafter.py).
@@ -121,7 +180,8 @@ class ModelRunner:
         else:
             pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
                                  self.dtype, self.device)
-            drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.eagle_topk,
+            # The draft cache has the sink page too (padded CUDA-graph rows write there).
+            drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages + 1, spec.eagle_topk,
                               spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
                             device_module=self.device_module, faults=self.stream_faults)
@@ -210,12 +270,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute_plain(self, sched: SchedulerOutput) -> StepResult:
-        batch = self.build_batch(sched)
-        hidden = self.forward(batch)
         result = StepResult()
-        if not batch.sample_index:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
+        if self._graphable_decode(sched):
+            for chunk in sched.chunks:
+                self.record_history(chunk)
+            batch = FlatBatch([], [], None, list(range(len(sched.chunks))), [c.request_id for c in sched.chunks],
+                              [self.sample_row(c) for c in sched.chunks])
+            logits = self._decode_logits_graphed(sched)
+        else:
+            batch = self.build_batch(sched)
+            hidden = self.forward(batch)
+            if not batch.sample_index:
+                return result
+            logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
         # Tensor parallelism: every rank samples, but only rank 0's tokens are used (they reach the
         # other ranks in the next SchedulerOutput); no device state depends on them.
         out = sample(logits, batch.sample_rows)

@@ -19,35 +19,35 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.server.engine_client import EngineClient
 from tandem.server.errors import OpenAIError, bad_request, from_validation_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.replicas import ReplicaSet
 from tandem.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
+def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_request_bytes: int = 16 << 20,
               on_ready=None) -> FastAPI:
-    """`client` is started by the app's lifespan (and shut down with it); `on_ready(info)` is
-    called once the engine core is up."""
+    """`replicas` are started by the app's lifespan (and shut down with it); `on_ready(info)` is
+    called once every engine core is up."""
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        info = await client.start()
-        metrics = ServerMetrics(lambda: client.stats, lambda: client.alive, info.speculative_algorithm is not None)
+        info = await replicas.start()
+        metrics = ServerMetrics(replicas.statuses, info.speculative_algorithm is not None)
         state["metrics"] = metrics
-        state["serving"] = OpenAIServing(client, metrics, tokenizer, model_name, max_queued_requests)
+        state["serving"] = OpenAIServing(replicas, metrics, tokenizer, model_name, max_queued_requests)
         if on_ready is not None:
             on_ready(info)
         try:
             yield
         finally:
-            logger.info("shutting down: stopping the engine core")
-            await client.shutdown()
+            logger.info("shutting down: stopping the engine core%s", "s" if len(replicas.replicas) > 1 else "")
+            await replicas.shutdown()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
 
@@ -82,11 +82,14 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
 
     @app.get("/health")
     async def health():
-        if not client.alive:
-            raise OpenAIError(503, f"the engine is not available: {client.dead_reason or 'not running'}",
-                              code="engine_unavailable")
-        return {"status": "ok", "model": model_name, "engine_pid": client.process.pid,
-                "queued_requests": client.num_queued}
+        # Unhealthy as soon as any replica is gone, though the others still serve: the deployment
+        # is not what was asked for, and an orchestrator should restart it.
+        reason = replicas.unhealthy_reason
+        if reason is not None:
+            raise OpenAIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+        pids = replicas.pids
+        return {"status": "ok", "model": model_name, "engine_pid": pids[0], "engine_pids": pids,
+                "queued_requests": replicas.num_queued}
 
     api = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -96,12 +99,12 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(model_name, client)]}
+        return {"object": "list", "data": [_model_card(model_name, replicas)]}
 
     @api.get("/v1/models/{model:path}")
     async def model(model: str):
         state["serving"].check_model(model)
-        return _model_card(model_name, client)
+        return _model_card(model_name, replicas)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
@@ -142,6 +145,6 @@ def _too_large(size: int, limit: int) -> OpenAIError:
                             "(--max-request-bytes)", code="request_too_large")
 
 
-def _model_card(model_name: str, client: EngineClient) -> dict:
+def _model_card(model_name: str, replicas: ReplicaSet) -> dict:
     return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
-            "max_model_len": client.info.max_model_len if client.info else None}
+            "max_model_len": replicas.info.max_model_len if replicas.info else None}

@@ -1,5 +1,6 @@
-"""The front end's side of the ZMQ boundary: starts the engine core process, sends it requests and
-aborts, and routes each token delta to the queue of the HTTP request waiting for it.
+"""The front end's side of the ZMQ boundary to one engine core (one replica): starts the process,
+sends it requests and aborts, and routes each token delta to the queue of the HTTP request waiting
+for it. `replicas.ReplicaSet` holds one per data-parallel replica and picks where a request goes.
 
 Sends go through a plain (blocking) PUSH socket with no high-water mark, so `abort` is an ordinary
 call: it has to run in `finally:` blocks of cancelled tasks, where awaiting is not possible.
@@ -14,6 +15,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from tandem.distributed.data_parallel import Env
 from tandem.engine import ipc
 from tandem.engine.core import EngineCoreProcess
 from tandem.request import SamplingParams
@@ -28,13 +30,16 @@ class EngineDead(Exception):
 
 
 class EngineClient:
-    def __init__(self, engine_kwargs: dict, log_level: str = "INFO"):
-        self.process = EngineCoreProcess(engine_kwargs, log_level)
+    def __init__(self, engine_kwargs: dict, log_level: str = "INFO", env: Env | None = None,
+                 name: str = "engine core"):
+        """`env`: the replica's devices (data parallelism); `name` goes into its errors and logs."""
+        self.name = name
+        self.process = EngineCoreProcess(engine_kwargs, log_level, env, name)
         self.info: ipc.CoreReady | None = None
         self.stats: ipc.EngineStats | None = None
         self.dead_reason: str | None = None
-        self._queues: dict[str, asyncio.Queue] = {}  # request id -> where its deltas go
-        self._unstarted: set[str] = set()  # sent, no token back yet (the "queued" requests)
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> where its deltas go (the in-flight ones)
+        self._unstarted: dict[str, int] = {}  # sent, no token back yet (the "queued" requests) -> prompt length
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
@@ -62,11 +67,11 @@ class EngineClient:
             if await self._pull.poll(500):
                 msg = ipc.decode(await self._pull.recv())
                 if isinstance(msg, ipc.CoreFailed):
-                    raise RuntimeError(f"engine core failed to start: {msg.message}")
+                    raise RuntimeError(f"{self.name} failed to start: {msg.message}")
                 if isinstance(msg, ipc.CoreReady):
                     self.info = msg
             elif not self.process.is_alive():
-                raise RuntimeError(f"engine core exited during startup (exit code {self.process.exitcode})")
+                raise RuntimeError(f"{self.name} exited during startup (exit code {self.process.exitcode})")
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
                        asyncio.create_task(self._watchdog(), name="engine-watchdog")]
         return self.info
@@ -102,6 +107,16 @@ class EngineClient:
     def num_queued(self) -> int:
         return len(self._unstarted)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent and not finished or aborted."""
+        return len(self._queues)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the requests with no token back yet (prefill still ahead of them)."""
+        return sum(self._unstarted.values())
+
     # ---- requests -----------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue) -> None:
@@ -110,12 +125,13 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         self._queues[request_id] = queue
-        self._unstarted.add(request_id)
+        self._unstarted[request_id] = len(prompt_token_ids)
         self._push.send(ipc.encode(ipc.AddRequest(request_id, prompt_token_ids, params)))
 
     def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
-        self._unstarted.difference_update(live)
+        for rid in live:
+            self._unstarted.pop(rid, None)
         if live and self.dead_reason is None:
             self._push.send(ipc.encode(ipc.AbortRequest(live)))
 
@@ -138,17 +154,17 @@ class EngineClient:
                 for delta in msg.deltas:
                     self._route(delta, now)
             elif isinstance(msg, ipc.RequestRejected):
-                self._unstarted.discard(msg.request_id)
+                self._unstarted.pop(msg.request_id, None)
                 queue = self._queues.pop(msg.request_id, None)
                 if queue is not None:
                     queue.put_nowait(msg)
             elif isinstance(msg, ipc.CoreFailed):
-                self._fail(f"engine core failed: {msg.message.splitlines()[0]}")
-                logger.error("engine core failed:\n%s", msg.message)
+                self._fail(f"{self.name} failed: {msg.message.splitlines()[0]}")
+                logger.error("%s failed:\n%s", self.name, msg.message)
 
     def _route(self, delta: ipc.TokenDelta, now: float) -> None:
         rid = delta.request_id
-        self._unstarted.discard(rid)
+        self._unstarted.pop(rid, None)
         queue = self._queues.get(rid) if delta.finish_reason is None else self._queues.pop(rid, None)
         if queue is not None:  # else: aborted meanwhile
             queue.put_nowait((delta, now))
@@ -157,7 +173,7 @@ class EngineClient:
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.process.is_alive():
-                self._fail(f"engine core process exited (exit code {self.process.exitcode})")
+                self._fail(f"{self.name} process exited (exit code {self.process.exitcode})")
 
     def _fail(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -1,4 +1,5 @@
-"""`tandem serve`: starts the engine core process, then the HTTP front end (uvicorn)."""
+"""`tandem serve`: starts the engine core processes (one per data-parallel replica), then the HTTP
+front end (uvicorn)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     from tandem.demo import with_demo_pair
     from tandem.engine.engine import EngineArgs
     from tandem.server.app import build_app
-    from tandem.server.engine_client import EngineClient
+    from tandem.server.replicas import ReplicaSet
     from tandem.tokenizer import load_tokenizer
 
     model_path = engine_kwargs.get("model_path")
@@ -50,22 +51,26 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
         model_path = engine_kwargs["model_path"]
         logger.info("no --model-path: serving the bundled demo pair (%s)", model_path)
 
-    logger.info("starting the engine core for %s", model_path)
-    client = EngineClient(engine_kwargs, args.log_level)
-    client.launch()
+    dp_size = engine_kwargs.get("dp_size", 1)
+    replicas = ReplicaSet.spawn(engine_kwargs, args.log_level)  # ValueError before any process starts
+    logger.info("starting %s for %s", f"{dp_size} engine core replicas" if dp_size > 1 else "the engine core",
+                model_path)
+    replicas.launch()
     try:
         logger.info("loading the tokenizer")
         tokenizer = load_tokenizer(engine_kwargs.get("tokenizer_path") or model_path)
         url = f"http://{args.host}:{args.port}"
 
         def on_ready(info) -> None:
-            logger.info("engine core ready (pid %d): context length %d, %d KV pages of %d tokens%s", info.pid,
-                        info.max_model_len, info.num_pages, info.page_size,
-                        f", speculative {info.speculative_algorithm}" if info.speculative_algorithm else "")
+            for replica in replicas.replicas:
+                i = replica.info
+                logger.info("%s ready (pid %d): context length %d, %d KV pages of %d tokens%s", replica.name, i.pid,
+                            i.max_model_len, i.num_pages, i.page_size,
+                            f", speculative {i.speculative_algorithm}" if i.speculative_algorithm else "")
             logger.info("serving %r at %s/v1 (OpenAI-compatible; /health, /metrics)%s", model_name, url,
                         "; API key required" if args.api_key else "")
 
-        app = build_app(client, tokenizer, model_name, api_key=args.api_key,
+        app = build_app(replicas, tokenizer, model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
                         on_ready=on_ready)
         logger.info("waiting for the engine core to load the model")
@@ -75,4 +80,4 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
         server.run()
         return 0 if server.started else 1
     finally:
-        client.kill()  # no-op after a normal shutdown; otherwise no orphaned engine core
+        replicas.kill()  # no-op after a normal shutdown; otherwise no orphaned engine cores

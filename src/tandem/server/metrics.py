@@ -1,8 +1,14 @@
 """Prometheus metrics (`/metrics`). Names take vLLM's, with the `tandem:` prefix.
 
 Two sources: what the front end sees per request (counters and latency histograms, updated as
-token deltas arrive), and the engine core's stats snapshot that comes with every step's outputs
+token deltas arrive), and each engine core's stats snapshot that comes with every step's outputs
 (running / waiting requests, KV pages, speculative counters), exported as it last arrived.
+
+Replicas (data parallelism): every engine-side series carries a `replica` label (also with one
+replica, so dashboards need not change with `--dp-size`); summing over it gives the deployment's
+total, except `spec_decode_mean_accept_length`, a per-replica mean (the overall one is
+1 + sum(accepted tokens) / sum(drafts)). The front end's own counters and histograms count every
+request once, whichever replica ran it, and have no replica label.
 
 Inter-token latency: a step that brings k tokens (speculative decoding) after a gap dt counts as
 k observations of dt / k, so the histogram's count is the number of tokens after the first.
@@ -10,6 +16,7 @@ k observations of dt / k, so the histogram's count is the number of tokens after
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,9 +29,19 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What the front end knows of one replica at scrape time."""
+
+    index: int
+    alive: bool
+    stats: EngineStats | None  # the core's last snapshot (None before the first)
+    in_flight: int  # engine requests routed to it, not finished or aborted
+    routed: int  # engine requests routed to it since the server started
+
+
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None], engine_alive: Callable[[], bool],
-                 speculative: bool):
+    def __init__(self, replicas: Callable[[], list[ReplicaStatus]], speculative: bool):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests_finished = Counter("tandem:requests_finished", "Finished engine requests (one per choice)",
@@ -39,7 +56,7 @@ class ServerMetrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token",
                                      buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine_stats, engine_alive, speculative))
+        r.register(_EngineCollector(replicas, speculative))
 
     def on_tokens(self, num_tokens: int, arrival: float, first: float | None, last: float | None,
                   now: float) -> None:
@@ -62,38 +79,54 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Exports the engine core's latest stats snapshot at scrape time."""
+    """Exports each replica's latest stats snapshot at scrape time, labelled by replica."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], alive: Callable[[], bool], speculative: bool):
-        self.stats = stats
-        self.alive = alive
+    def __init__(self, replicas: Callable[[], list[ReplicaStatus]], speculative: bool):
+        self.replicas = replicas
         self.speculative = speculative
 
     def collect(self):
-        s = self.stats() or EngineStats()
-        yield _gauge("tandem:engine_core_up", "1 while the engine core process runs", int(self.alive()))
-        yield _gauge("tandem:num_requests_running", "Requests in the engine's running batch", s.num_running)
-        yield _gauge("tandem:num_requests_waiting", "Requests waiting in the engine's queue", s.num_waiting)
-        yield _gauge("tandem:kv_pages_used", "KV cache pages in use", s.kv_pages_used)
-        yield _gauge("tandem:kv_pages_total", "KV cache pages in the pool", s.kv_pages_total)
+        replicas = self.replicas()
+        stats = [(str(r.index), r.stats or EngineStats()) for r in replicas]
+
+        def per_replica(family, value):
+            for r, (label, s) in zip(replicas, stats):
+                family.add_metric([label], value(r, s))
+            return family
+
+        def gauge(name, doc, value):
+            return per_replica(GaugeMetricFamily(name, doc, labels=["replica"]), value)
+
+        def counter(name, doc, value):
+            return per_replica(CounterMetricFamily(name, doc, labels=["replica"]), value)
+
+        yield gauge("tandem:engine_core_up", "1 while the replica's engine core process runs",
+                    lambda r, s: int(r.alive))
+        yield gauge("tandem:num_requests_running", "Requests in the engine's running batch", lambda r, s: s.num_running)
+        yield gauge("tandem:num_requests_waiting", "Requests waiting in the engine's queue", lambda r, s: s.num_waiting)
+        yield gauge("tandem:kv_pages_used", "KV cache pages in use", lambda r, s: s.kv_pages_used)
+        yield gauge("tandem:kv_pages_total", "KV cache pages in the pool", lambda r, s: s.kv_pages_total)
+        yield gauge("tandem:replica_requests_in_flight",
+                    "Engine requests routed to the replica and not finished (what routing balances)",
+                    lambda r, s: r.in_flight)
+        yield counter("tandem:replica_requests_routed", "Engine requests routed to the replica",
+                      lambda r, s: r.routed)
         if not self.speculative:
             return
-        spec = s.spec
-        for name, doc, value in (
-            ("num_drafts", "Verify steps", spec.num_drafts if spec else 0),
-            ("num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens if spec else 0),
-            ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens if spec else 0),
+        for name, doc, field in (
+            ("num_drafts", "Verify steps", "num_drafts"),
+            ("num_draft_tokens", "Draft tokens proposed", "num_draft_tokens"),
+            ("num_accepted_tokens", "Draft tokens accepted", "num_accepted_tokens"),
         ):
-            yield CounterMetricFamily(f"tandem:spec_decode_{name}", doc, value=value)
+            yield counter(f"tandem:spec_decode_{name}", doc,
+                          lambda r, s, field=field: getattr(s.spec, field) if s.spec else 0)
         per_pos = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by draft position (0 = first)", labels=["position"])
-        for pos, count in enumerate(spec.accepted_per_position if spec else []):
-            per_pos.add_metric([str(pos)], count)
+                                      "Draft tokens accepted, by draft position (0 = first)",
+                                      labels=["replica", "position"])
+        for label, s in stats:
+            for pos, count in enumerate(s.spec.accepted_per_position if s.spec else []):
+                per_pos.add_metric([label, str(pos)], count)
         yield per_pos
-        yield _gauge("tandem:spec_decode_mean_accept_length",
-                     "Mean tokens per verify step (accepted drafts + 1) since start",
-                     spec.mean_accept_length if spec else 0.0)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+        yield gauge("tandem:spec_decode_mean_accept_length",
+                    "Mean tokens per verify step (accepted drafts + 1) since the replica started",
+                    lambda r, s: s.spec.mean_accept_length if s.spec else 0.0)

@@ -1,6 +1,6 @@
-"""OpenAI completions and chat completions on top of the engine client: turns a request body into
-engine requests (one per prompt and sample, `n` independent requests per prompt), follows their
-token deltas, and writes the JSON response or the SSE stream.
+"""OpenAI completions and chat completions on top of the engine replicas: turns a request body into
+engine requests (one per prompt and sample, `n` independent requests per prompt, all on the one
+replica the router picks), follows their token deltas, and writes the JSON response or the SSE stream.
 
 Extension field: when the engine runs speculative decoding, `usage` carries
 `mean_accept_length` (tokens per verify step, accepted drafts + 1, over all choices; null before the
@@ -27,6 +27,7 @@ from tandem.server.engine_client import EngineClient, EngineDead
 from tandem.server.errors import OpenAIError, bad_request, from_sampling_params_error
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tandem.server.replicas import ReplicaSet
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -61,11 +62,13 @@ class Update:
 
 
 class Generation:
-    """The engine requests behind one HTTP request, merged into one stream of updates."""
+    """The engine requests behind one HTTP request, merged into one stream of updates. They all run
+    on one replica, picked at `start`; aborts go to it."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, prompts: list[list[int]],
+    def __init__(self, replicas: ReplicaSet, metrics: ServerMetrics, prompts: list[list[int]],
                  choices: list[Choice], prompt_param: str):
-        self.client = client
+        self.replicas = replicas
+        self.replica: EngineClient | None = None
         self.metrics = metrics
         self.prompts = prompts
         self.choices = choices
@@ -75,9 +78,13 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def start(self) -> None:
+        try:
+            self.replica = self.replicas.pick(len(self.choices))
+        except EngineDead as e:
+            raise engine_unavailable(str(e)) from None
         for c in self.choices:
             try:
-                self.client.add(c.request_id, c.prompt_token_ids, c.params, self._queue)
+                self.replica.add(c.request_id, c.prompt_token_ids, c.params, self._queue)
             except EngineDead as e:
                 self.close()
                 raise engine_unavailable(str(e)) from None
@@ -112,7 +119,7 @@ class Generation:
         text = c.detok.push(new, final=reason is not None)
         if reason is None and c.detok.stopped:
             # The engine stops at the same token unless its decoding saw the text differently.
-            self.client.abort([c.request_id])
+            self.replica.abort([c.request_id])
             reason = "stop"
         if reason is not None:
             c.finish_reason = reason
@@ -123,7 +130,7 @@ class Generation:
     def close(self) -> None:
         """Aborts whatever has not finished (client gone, error); safe to call more than once."""
         if self._open:
-            self.client.abort(list(self._open))
+            self.replica.abort(list(self._open))
             self._end_all("abort")
 
     def _end_all(self, reason: str) -> None:
@@ -163,9 +170,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, tokenizer, model_name: str,
+    def __init__(self, replicas: ReplicaSet, metrics: ServerMetrics, tokenizer, model_name: str,
                  max_queued_requests: int | None):
-        self.client = client
+        self.replicas = replicas
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -174,7 +181,7 @@ class OpenAIServing:
 
     @property
     def speculative(self) -> bool:
-        return self.client.info is not None and self.client.info.speculative_algorithm is not None
+        return self.replicas.info is not None and self.replicas.info.speculative_algorithm is not None
 
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
@@ -300,8 +307,8 @@ class OpenAIServing:
                max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
                api_names: dict[str, str], arrival: float) -> Generation:
         """Validates everything, then sends one engine request per (prompt, sample)."""
-        if self.client.dead_reason is not None:
-            raise engine_unavailable(self.client.dead_reason)
+        if self.replicas.dead_reason is not None:
+            raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
         base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names)
         choices = []
@@ -311,7 +318,7 @@ class OpenAIServing:
                 n_new = room if default_max_tokens is None else min(default_max_tokens, room)
             elif max_tokens > room:
                 raise bad_request(f"{names['max_new_tokens']}={max_tokens} does not fit: the prompt has {len(ids)} "
-                                  f"tokens and the context length is {self.client.info.max_model_len}",
+                                  f"tokens and the context length is {self.replicas.info.max_model_len}",
                                   names["max_new_tokens"], "context_length_exceeded")
             else:
                 n_new = max_tokens
@@ -322,11 +329,11 @@ class OpenAIServing:
                 params = dataclasses.replace(base, max_new_tokens=n_new, seed=seed)
                 detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
                 choices.append(Choice(index, f"{uuid.uuid4().hex[:16]}-{index}", i, ids, params, detok, arrival))
-        if self.max_queued_requests is not None and self.client.num_queued + len(choices) > self.max_queued_requests:
-            raise OpenAIError(503, f"the server's request queue is full ({self.client.num_queued} waiting, "
+        if self.max_queued_requests is not None and self.replicas.num_queued + len(choices) > self.max_queued_requests:
+            raise OpenAIError(503, f"the server's request queue is full ({self.replicas.num_queued} waiting, "
                                    f"limit {self.max_queued_requests}); retry later",
                               code="queue_full", headers={"Retry-After": "1"})
-        gen = Generation(self.client, self.metrics, prompts, choices, prompt_param)
+        gen = Generation(self.replicas, self.metrics, prompts, choices, prompt_param)
         gen.start()
         return gen
 
@@ -344,7 +351,7 @@ class OpenAIServing:
 
     def _check_prompt(self, ids: list[int], param: str) -> int:
         """Room left for new tokens; 400 if the prompt is empty, too long or has bad token ids."""
-        info = self.client.info
+        info = self.replicas.info
         if not ids:
             raise bad_request(f"{param}: the prompt is empty", param)
         if len(ids) >= info.max_model_len:

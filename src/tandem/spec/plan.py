@@ -13,13 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.layers.attention.base import page_slots
 from tandem.layers.attention.torch_backend import TorchAttentionMetadata
-
-
-def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Cache slots of `positions` [B, L] for requests whose page tables are `page_rows` [B, P]."""
-    pages = page_rows.gather(1, (positions // page_size).clamp(max=page_rows.shape[1] - 1))
-    return pages * page_size + positions % page_size
 
 
 @dataclass
@@ -49,7 +44,10 @@ def verify_metadata(plan: VerifyPlan, ancestors: torch.Tensor) -> TorchAttention
     mask = plan.prefix_mask.clone()
     mask.scatter_(2, plan.node_cols[:, None, :].expand(b, n, n), ancestors)
     query_index = torch.arange(b * n, device=mask.device).view(b, n)
-    return TorchAttentionMetadata(plan.node_slots.reshape(-1), query_index, None, plan.kv_slots, mask[:, None])
+    # Nothing past the last node is visible: backends that read kv_lens stop there.
+    kv_lens = (plan.seq_lens + n).clamp(max=plan.kv_slots.shape[1]).to(torch.int32)
+    return TorchAttentionMetadata(plan.node_slots.reshape(-1), query_index, None, plan.kv_slots, mask[:, None],
+                                  kv_lens=kv_lens)
 
 
 def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_size: int) -> TorchAttentionMetadata:
@@ -60,8 +58,10 @@ def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_
     kv_pos = torch.arange(kv_bound, device=device)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
     query_index = torch.arange(b * num_queries, device=device).view(b, num_queries)
+    kv_lens = (first_pos + num_queries).clamp(max=kv_bound).to(torch.int32)
     return TorchAttentionMetadata(page_slots(page_rows, q_pos, page_size).reshape(-1), query_index, None,
-                                  page_slots(page_rows, kv_pos.expand(b, -1), page_size), mask[:, None])
+                                  page_slots(page_rows, kv_pos.expand(b, -1), page_size), mask[:, None],
+                                  kv_lens=kv_lens)
 
 
 def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_size: int):

@@ -29,7 +29,9 @@ class SpecStatePool:
         pin = device.type == "cuda"
         self.staging_slots = torch.zeros(max_requests, dtype=torch.long, pin_memory=pin)
         self.staging_pages = torch.zeros(max_requests, max_pages_per_request, dtype=torch.long, pin_memory=pin)
-        self._free = list(range(max_requests - 1, -1, -1))
+        # The last row belongs to no request: padded rows of a CUDA-graph batch read and write it.
+        self.pad_slot = max_requests - 1
+        self._free = list(range(max_requests - 2, -1, -1))
         self.slot_of: dict[str, int] = {}
 
     def slot(self, request_id: str) -> int:

@@ -30,7 +30,8 @@ from tandem.runtime.streams import Edge, StreamSet
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.spec import plan
 from tandem.spec.drafter import Drafter, PrefillFeed
-from tandem.spec.tree import DraftTree, ancestor_mask
+from tandem.spec.phases import SpecPhases
+from tandem.spec.tree import DraftTree
 from tandem.spec.verify import AcceptResult, greedy_accept, tree_rejection_sample
 
 
@@ -86,6 +87,7 @@ class SpecWorker:
     def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet):
         self.runner = runner  # target model, KV cache, attention backend
         self.drafter = drafter
+        self.phases = SpecPhases(runner, drafter, num_draft_tokens)  # eager, or CUDA graphs once captured
         self.pool = drafter.pool
         self.num_draft_tokens = num_draft_tokens
         self.streams = streams
@@ -124,8 +126,9 @@ class SpecWorker:
         s, runner, pool = self.streams, self.runner, self.pool
         ps, n_nodes = runner.page_size, self.num_draft_tokens
         it = handle.iteration
-        kv_bound = max(len(c.page_ids) for c in chunks) * ps
         b = len(chunks)
+        # A CUDA graph was captured for one KV window, the widest; eager steps use their own bound.
+        kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         # Host: fill the pinned staging buffer with this step's pool rows and page tables. It is
         # reused every step, so first wait until the plan stream's previous copy out of it is done.
@@ -159,15 +162,10 @@ class SpecWorker:
         # Main stream: draft the tree while the plan stream works.
         s.wait("main", table_ready)
         s.read(f"page_rows[{it}]", "main")
-        tree = self.drafter.draft_tree(slots, page_rows, kv_bound, n_nodes)
+        tree = self.phases.draft_tree(slots, page_rows, kv_bound)
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
-        metadata = plan.verify_metadata(vplan, ancestor_mask(tree.parents))
-        positions = (vplan.seq_lens[:, None] + tree.depths).reshape(-1)
-        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
-        hidden, aux = runner.model(tree.tokens.reshape(-1), positions, ctx,
-                                   aux_layer_ids=self.drafter.model.aux_layer_ids)
-        logits = runner.model.compute_logits(hidden).view(b, n_nodes, -1)  # [B, N, V]
+        logits, hidden, aux = self.phases.verify(tree, vplan)  # [B, N, V], [B*N, H], [B*N, H] each
         accept = self._same_on_every_rank(self._accept(chunks, tree, logits))
         self._compact_target_kv(vplan, accept)
         s.write("seq_lens", "main")
@@ -185,7 +183,7 @@ class SpecWorker:
             ext_meta = plan.extend_metadata(page_rows, first_pos, q, kv_bound, ps)
             extend_plan_ready = s.record("plan", "extend_plan")
         for t in (first_pos, *vars(ext_meta).values()):
-            if t is not None:
+            if isinstance(t, torch.Tensor):
                 s.keep_alive(t, "main")
 
         feature = self._feature(hidden, aux)
@@ -195,7 +193,7 @@ class SpecWorker:
             features = feature[rows]  # [B, Q, F]: the root's and accepted drafts' features pair with the next tokens
         s.wait("main", extend_plan_ready)
         s.read(f"extend_plan[{it}]", "main")
-        self.drafter.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
+        self.phases.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
 
         handle.verify_ids = [c.request_id for c in chunks]
         handle.max_depth = tree.max_depth

@@ -41,7 +41,16 @@ def positions_to_slots(pages, positions, page_size: int) -> list[int]:
     return [pages[p // page_size] * page_size + p % page_size for p in positions]
 
 
+def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Device version: cache slots of `positions` [B, L] for requests whose page tables are `page_rows` [B, P]."""
+    pages = page_rows.gather(1, (positions // page_size).clamp(max=page_rows.shape[1] - 1))
+    return pages * page_size + positions % page_size
+
+
 class AttentionBackend(ABC):
+    # Whether the backend applies the causal rule from per-row lengths (metadata.causal, no mask).
+    derives_causal_mask: bool = False
+
     @abstractmethod
     def plan(self, batch: AttentionBatch, device: torch.device) -> object:
         """Build the metadata every layer of this step shares."""

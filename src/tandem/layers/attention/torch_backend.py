@@ -19,10 +19,16 @@ class TorchAttentionMetadata:
     query_index: torch.Tensor  # [B, Lq] row of the flat token list for (request, i); padding -> 0
     query_valid: torch.Tensor | None  # [B, Lq] bool; None: every query is real (uniform rows)
     kv_slots: torch.Tensor  # [B, Lkv] cache slot of KV entry j of row b; padding -> 0
-    mask: torch.Tensor  # [B, 1, Lq, Lkv] bool, True = attend
+    mask: torch.Tensor | None  # [B, 1, Lq, Lkv] bool, True = attend (None only with `causal`)
+    # Read by backends that can use them (triton); the torch backend always goes by `mask`.
+    q_lens: torch.Tensor | None = None  # [B] int32 new tokens per row
+    kv_lens: torch.Tensor | None = None  # [B] int32 KV entries per row: the rest of kv_slots is masked out
+    causal: bool = False  # mask derived from q_lens/kv_lens; `mask` may be None
 
 
 class TorchAttentionBackend(AttentionBackend):
+    derives_causal_mask = False
+
     def plan(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         num_rows = len(batch.query_lens)
         max_q = max(batch.query_lens)

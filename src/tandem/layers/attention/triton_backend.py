@@ -25,13 +25,8 @@ from tandem.layers.attention.triton_kernels import attention_kernel, merge_split
 LOG2E = 1.4426950408889634
 
 
-@dataclass
-class TritonAttentionMetadata(TorchAttentionMetadata):
-    """Torch metadata plus per-row lengths. With `causal`, `mask` is None and never read."""
-
-    q_lens: torch.Tensor | None = None  # [B] int32 new tokens per row
-    kv_lens: torch.Tensor | None = None  # [B] int32 KV entries per row (the rest of kv_slots is padding)
-    causal: bool = False
+# The shared metadata type carries the per-row lengths this backend reads (q_lens, kv_lens, causal).
+TritonAttentionMetadata = TorchAttentionMetadata
 
 
 def interpreting() -> bool:
@@ -97,11 +92,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lkv = metadata.kv_slots.shape[1]
     group = num_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    extra = metadata if isinstance(metadata, TritonAttentionMetadata) else None
-    causal = extra is not None and extra.causal
+    causal = metadata.causal
     cfg = launch_config(num_rows, lq, lkv, group, kv_heads, block_d, causal, q.dtype, q.device, num_kv_splits)
-    kv_lens = extra.kv_lens if extra is not None else None
-    q_lens = extra.q_lens if extra is not None else None
+    kv_lens, q_lens = metadata.kv_lens, metadata.q_lens
     # uint8 views: the kernels read bytes, whatever triton makes of a bool pointer.
     query_valid = metadata.query_valid.view(torch.uint8) if metadata.query_valid is not None else None
     mask = None if causal else metadata.mask.view(torch.uint8)
@@ -147,6 +140,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class TritonAttentionBackend(AttentionBackend):
+    derives_causal_mask = True
+
     def __init__(self, num_kv_splits: int | None = None):
         # None: split the KV walk only when a batch launches too few programs to fill the GPU.
         self.num_kv_splits = num_kv_splits

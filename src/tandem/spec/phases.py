@@ -1,0 +1,129 @@
+"""The device-only phases of a speculative decode iteration: draft the tree, run the target over it
+(verify forward), and extend the draft over the accepted tokens. Each runs eagerly or, on a GPU,
+replays a CUDA graph captured per padded batch size (runtime/cuda_graphs.py).
+
+Graphs need shapes fixed at capture, so in graph mode every decode step uses the widest KV window
+(`graph_kv_width`, a request's most pages) instead of the step's own bound; the kernels stop at each
+row's length (`kv_lens`), so the wide window costs index memory, not attention time. Padded rows
+point at the sink page (one page past the scheduler's pool, in both KV caches) and at the pool's
+pad row, so whatever they compute lands where no request looks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.models.llama import StepContext
+from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
+from tandem.spec import plan
+from tandem.spec.tree import DraftTree, ancestor_mask
+
+logger = logging.getLogger(__name__)
+
+
+class SpecPhases:
+    def __init__(self, runner, drafter, num_draft_tokens: int):
+        self.runner = runner
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.graphs: dict[str, GraphedFunction] = {}
+        self.graph_kv_width = 0  # KV window of every graphed step (0: no graphs)
+        self.tree_max_depth = 0  # of a graphed draft tree (shapes of verify/extend)
+
+    # ---- the phases, eager ------------------------------------------------------------------
+    def verify_forward(self, tokens, parents, depths, seq_lens, node_slots, node_cols, kv_slots, prefix_mask):
+        """The target over each row's tree: returns logits [B, N, V], hidden [B, N, H] and the
+        auxiliary states the draft wants, each [B, N, H]."""
+        runner = self.runner
+        b, n = tokens.shape
+        vplan = plan.VerifyPlan(seq_lens, node_slots, node_cols, kv_slots, prefix_mask)
+        metadata = plan.verify_metadata(vplan, ancestor_mask(parents))
+        positions = (seq_lens[:, None] + depths).reshape(-1)
+        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
+        hidden, aux = runner.model(tokens.reshape(-1), positions, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
+        logits = runner.model.compute_logits(hidden).view(b, n, -1)
+        return (logits, hidden.view(b, n, -1), *(a.view(b, n, -1) for a in aux))
+
+    def _draft_tree_fn(self, slots, page_rows):
+        tree = self.drafter.draft_tree(slots, page_rows, self.graph_kv_width, self.num_draft_tokens)
+        return tree.tokens, tree.parents, tree.depths
+
+    def _extend_fn(self, slots, tokens, features, accept_lens, first_pos, slot_mapping, kv_slots, mask, kv_lens):
+        b, q = tokens.shape
+        metadata = plan.TorchAttentionMetadata(
+            slot_mapping.reshape(-1), torch.arange(b * q, device=tokens.device).view(b, q), None, kv_slots,
+            mask[:, None], kv_lens=kv_lens)
+        self.drafter.extend(slots, metadata, tokens, features, accept_lens, first_pos)
+        return ()
+
+    # ---- what the worker calls ---------------------------------------------------------------
+    def graphed(self, batch_size: int) -> bool:
+        return bool(self.graphs) and self.graphs["verify"].fits(batch_size)
+
+    def draft_tree(self, slots, page_rows, kv_bound: int) -> DraftTree:
+        if not self.graphed(slots.shape[0]):
+            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_draft_tokens)
+        tokens, parents, depths = self.graphs["draft_tree"](slots, page_rows)
+        return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth)
+
+    def verify(self, tree: DraftTree, vplan: plan.VerifyPlan):
+        args = (tree.tokens, tree.parents, tree.depths, vplan.seq_lens, vplan.node_slots, vplan.node_cols,
+                vplan.kv_slots, vplan.prefix_mask)
+        out = self.graphs["verify"](*args) if self.graphed(tree.tokens.shape[0]) else self.verify_forward(*args)
+        logits, hidden, *aux = out
+        return logits, hidden.reshape(-1, hidden.shape[-1]), [a.reshape(-1, a.shape[-1]) for a in aux]
+
+    def extend(self, slots, metadata, tokens, features, accept_lens, first_pos) -> None:
+        b, q = tokens.shape
+        if not self.graphed(b):
+            self.drafter.extend(slots, metadata, tokens, features, accept_lens, first_pos)
+            return
+        args = [slots, tokens, features, accept_lens, first_pos, metadata.slot_mapping.view(b, q),
+                metadata.kv_slots, metadata.mask[:, 0], metadata.kv_lens]
+        if features is None:
+            args.pop(2)
+        self.graphs["extend"](*args)
+
+    # ---- capture -----------------------------------------------------------------------------
+    def build_graphs(self, kv_width: int, feature_size: int | None) -> list[GraphedFunction]:
+        """Declares the three graphs (captured by the caller with the runner's other graphs)."""
+        runner, drafter = self.runner, self.drafter
+        pool = drafter.pool
+        self.graph_kv_width = kv_width
+        n, sink_slot, device = self.num_draft_tokens, runner.sink_slot, runner.device
+        num_pages = pool.staging_pages.shape[1]
+        long, i32 = torch.long, torch.int32
+        # Depth of the deepest tree (TreeBuilder.build): decides verify's output and extend's query count.
+        self.tree_max_depth = min(drafter.num_steps, n - 1)
+        q = self.tree_max_depth + 1
+        self.graphs["draft_tree"] = GraphedFunction("draft tree", self._draft_tree_fn, [
+            GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
+
+        self.graphs["verify"] = GraphedFunction("verify", self.verify_forward, [
+            GraphInput((n,), long, 0),  # tokens
+            GraphInput((n,), long, -1),  # parents: every padded node is a root
+            GraphInput((n,), long, 0),  # depths
+            GraphInput((), long, 0),  # seq_lens
+            GraphInput((n,), long, sink_slot),  # node_slots
+            GraphInput((n,), long, 0),  # node_cols
+            GraphInput((kv_width,), long, sink_slot),  # kv_slots
+            GraphInput((n, kv_width), torch.bool, False),  # prefix_mask
+        ], device)
+
+        ext = [GraphInput((), long, pool.pad_slot), GraphInput((q,), long, 0)]
+        if drafter.model.target_hidden is not None:
+            ext.append(GraphInput((q, feature_size), runner.dtype, 0))
+        ext += [GraphInput((), long, 1),  # accept_lens
+                GraphInput((), long, 0),  # first_pos
+                GraphInput((q,), long, sink_slot),  # slot_mapping
+                GraphInput((kv_width,), long, sink_slot),  # kv_slots
+                GraphInput((q, kv_width), torch.bool, False),  # mask
+                GraphInput((), i32, 0)]  # kv_lens
+        fn = self._extend_fn
+        if drafter.model.target_hidden is None:
+            def fn(slots, tokens, *rest):
+                return self._extend_fn(slots, tokens, None, *rest)
+        self.graphs["extend"] = GraphedFunction("draft extend", fn, ext, device)
+        return list(self.graphs.values())
