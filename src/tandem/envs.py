@@ -33,3 +33,10 @@ def tp_device() -> str | None:
     """TANDEM_TP_DEVICE=cpu|cuda: the device type of a tensor-parallel worker rank (set by tandem
     for the ranks it spawns; for ranks started by hand, default: cuda if available)."""
     return os.environ.get("TANDEM_TP_DEVICE") or None
+
+
+def cuda_graph_emulate() -> bool:
+    """TANDEM_CUDA_GRAPH_EMULATE=1 (tests only): on a CPU, run the CUDA-graph code path with the
+    "replay" being a plain call on the static, padded inputs, so the padding logic is tested
+    without a GPU."""
+    return os.environ.get("TANDEM_CUDA_GRAPH_EMULATE", "0") == "1"

@@ -54,7 +54,9 @@ class GraphedFunction:
         self.fn = fn
         self.inputs = list(inputs)
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()  # shared by this phase's batch sizes only
+        # On a CPU (tests, TANDEM_CUDA_GRAPH_EMULATE=1) "replay" calls fn on the static inputs.
+        self.emulated = device.type != "cuda"
+        self.pool = None if self.emulated else torch.cuda.graph_pool_handle()  # this phase's sizes only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.static_in: dict[int, list[torch.Tensor]] = {}
         self.static_out: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -69,6 +71,10 @@ class GraphedFunction:
     def capture(self, batch_size: int, stream: torch.cuda.Stream) -> None:
         static = [torch.full((batch_size, *spec.tail_shape), spec.pad, dtype=spec.dtype, device=self.device)
                   for spec in self.inputs]
+        if self.emulated:
+            self.graphs[batch_size] = None
+            self.static_in[batch_size] = static
+            return
         # One eager run first: lazy initialisation (cuBLAS handles, triton compiles) must not happen
         # inside the capture. Its writes land on the sink rows the pad values point at.
         with torch.cuda.stream(stream):
@@ -89,6 +95,8 @@ class GraphedFunction:
             if bs > b:
                 # Always re-pad: an earlier, larger batch left real rows (real pages) here.
                 static[b:].fill_(spec.pad)
+        if self.emulated:
+            return tuple(t[:b] for t in self.fn(*self.static_in[bs]))
         self.graphs[bs].replay()
         return tuple(t[:b] for t in self.static_out[bs])
 
@@ -98,6 +106,12 @@ def capture_all(functions: Sequence[GraphedFunction], batch_sizes: Sequence[int]
     memory), showing progress and reporting the time and memory it took."""
     from tqdm import tqdm
 
+    if device.type != "cuda":  # emulation (tests): nothing to capture, just the static inputs
+        with torch.inference_mode():
+            for f in functions:
+                for bs in batch_sizes:
+                    f.capture(bs, None)
+        return
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem import envs
 from tandem.config import EngineConfig
 from tandem.distributed.parallel_state import TPGroup, kv_heads_layout
 from tandem.kv_cache import KVCache
@@ -106,7 +107,7 @@ class ModelRunner:
         self.histories: dict[str, list[int]] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
         self.decode_graph: GraphedFunction | None = None
-        if config.cuda_graph_max_bs and self.device.type == "cuda":
+        if config.cuda_graph_max_bs and (self.device.type == "cuda" or envs.cuda_graph_emulate()):
             self._capture_cuda_graphs(max_model_len)
 
     # ---- CUDA graphs --------------------------------------------------------------------------
@@ -117,7 +118,8 @@ class ModelRunner:
         if self.spec is None:
             max_pages = -(-max_model_len // self.page_size)
             self.decode_kv_width = max_pages * self.page_size
-            self._decode_staging = torch.zeros(sizes[-1], 2 + max_pages, dtype=torch.long, pin_memory=True)
+            self._decode_staging = torch.zeros(sizes[-1], 2 + max_pages, dtype=torch.long,
+                                               pin_memory=self.device.type == "cuda")
             self.decode_graph = GraphedFunction("target decode", self._decode_forward, [
                 GraphInput((), torch.long, 0), GraphInput((), torch.long, 0),
                 GraphInput((max_pages,), torch.long, self.sink_page)], self.device)

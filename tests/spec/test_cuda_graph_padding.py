@@ -1,0 +1,92 @@
+"""The CUDA-graph code path on a CPU (TANDEM_CUDA_GRAPH_EMULATE=1: "replay" is a call on the static,
+padded inputs). It checks what graphs add besides the capture itself: fixed KV windows, padded rows
+pointed at the sink page and pad state row, re-padding when a batch shrinks, and the eager fallback
+for batches larger than the largest graph. Output must equal plain eager greedy decoding."""
+
+import pytest
+
+from tandem import Engine, SamplingParams
+from tests.spec.conftest import CHAIN, ENGINE, TREE
+from tests.spec.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
+
+LENGTHS = (5, 10, 15, NEW_TOKENS)  # requests finish at different steps, so the batch shrinks
+
+
+@pytest.fixture(autouse=True)
+def emulate_graphs(monkeypatch):
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
+
+
+def record_padded_sizes(graphed) -> list[int]:
+    """Wraps a GraphedFunction's fn to log the (padded) batch size of every replay."""
+    sizes, fn = [], graphed.fn
+
+    def recording(*static):
+        sizes.append(static[0].shape[0])
+        return fn(*static)
+
+    graphed.fn = recording
+    return sizes
+
+
+def run(engine, n):
+    """n requests, then n more once the first have finished: the late ones get freed pages and
+    state rows, where a stale padded row would write."""
+    rids, done = [], {}
+
+    def add(first):
+        for i in range(first, first + n):
+            params = SamplingParams(max_new_tokens=LENGTHS[i % len(LENGTHS)], temperature=0.0, ignore_eos=True)
+            rids.append(engine.add_request(PROMPTS[i], params))
+
+    add(0)
+    while engine.has_unfinished():
+        for out in engine.step().finished:
+            done[out.request_id] = out
+        if len(rids) == n and len(done) >= n // 2:
+            add(n)
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+    return [done[r] for r in rids]
+
+
+def check(outs, reference):
+    for i, out in enumerate(outs):
+        want = reference[i][: LENGTHS[i % len(LENGTHS)]]
+        assert out.token_ids == want, f"prompt {i} differs"
+
+
+@pytest.mark.parametrize("max_bs", [16, 4], ids=["padded", "eager-fallback"])
+def test_plain_decode_graph(spec_models, reference, max_bs):
+    with Engine(spec_models["target"], cuda_graph_max_bs=max_bs, **{**ENGINE, "max_running_requests": 12}) as engine:
+        sizes = record_padded_sizes(engine.runner.decode_graph)
+        check(run(engine, 10), reference)
+    assert sizes, "the graph path never ran"
+    if max_bs == 16:
+        # Graphs up to max_running_requests (12): batches of 10 and 9 are padded to 12.
+        assert 12 in sizes and set(sizes) <= set(range(1, 9)) | {12}
+    else:
+        assert set(sizes) <= {1, 2, 3, 4}  # larger batches ran eagerly
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_speculative_graphs(spec_models, reference, kind, shape):
+    with Engine(spec_models["target"], speculative_algorithm=kind, speculative_draft_model_path=spec_models[kind],
+                cuda_graph_max_bs=16, **shape, **{**ENGINE, "max_running_requests": 12}) as engine:
+        phases = engine.runner.spec.phases
+        sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
+        check(run(engine, 10), reference)
+    for name in ("draft_tree", "verify", "extend"):
+        assert 12 in sizes[name], f"{name}: no padded replay"  # 10 requests padded to 12
+
+
+def test_self_draft_accepts_everything_with_graphs(spec_models, reference):
+    """The target drafting for itself accepts every draft: wrong state written by a padded row or
+    a wrong window would show as a shorter accept length."""
+    with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
+                cuda_graph_max_bs=16, **CHAIN, **{**ENGINE, "max_running_requests": 12}) as engine:
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(input_ids=PROMPTS[:10], sampling_params=params)  # 10 rows padded to 12
+    for out, want in zip(outs, reference):
+        assert out.token_ids == want
+        assert all(a == 4 for a in out.spec_accept_lengths[:-1]), out.spec_accept_lengths
