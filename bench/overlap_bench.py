@@ -2,6 +2,9 @@
 scheduler and the plan stream (random weights in real shapes, EAGLE-3 chain of 3 steps, bf16).
 
 python bench/overlap_bench.py --out bench/results/overlap_h200.json [--shapes llama-3.2-1b llama-3.1-8b]
+    [--attention-backend torch|triton] [--disable-cuda-graph] [--plain]
+
+--plain adds one row per batch for plain decoding (no draft) in the same run, as the baseline.
 
 GPU idle = 1 - (union of kernel/memcpy intervals) / (first kernel start .. last kernel end), from the
 torch profiler over a window of decode iterations. Acceptance is whatever random heads give (~1):
@@ -66,13 +69,23 @@ def measure(engine: Engine, batch: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
     idle = gpu_idle_fraction(prof)
+    gpu_ms = (1 - idle) * _span_us(prof) / PROFILE / 1e3
+    top = sorted(((e.key, e.device_time_total / PROFILE / 1e3) for e in prof.key_averages() if e.device_time_total > 0),
+                 key=lambda kv: -kv[1])[:8]
     tokens = sum(len(engine.scheduler.get_request(r).output_token_ids) for r in rids)
     for r in rids:
         engine.abort(r)
     while engine.has_unfinished():
         engine.step()
-    return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "tokens_after": tokens,
-            "cpu_ms_per_iter": cpu}
+    return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "gpu_busy_ms_per_iter": round(gpu_ms, 3),
+            "tokens_after": tokens, "cpu_ms_per_iter": cpu,
+            "top_gpu_ms_per_iter": [[k[:80], round(v, 4)] for k, v in top]}
+
+
+def _span_us(prof) -> float:
+    times = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return max(t[1] for t in times) - min(t[0] for t in times) if times else float("nan")
 
 
 def _time_phases(engine: Engine) -> dict:
@@ -109,38 +122,50 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--plain", action="store_true", help="also measure plain decoding (no draft)")
     ns = ap.parse_args()
     root = tempfile.mkdtemp()
     rows = []
+    configs = [(o, p) for o in (True, False) for p in (True, False)] + ([(None, None)] if ns.plain else [])
     for shape in ns.shapes:
         target, head = write_preset(shape, root)
-        for overlap in (True, False):
-            for plan in (True, False):
-                engine = Engine(target, load_format="dummy", device="cuda", dtype="bfloat16",
-                                speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                                speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                                disable_overlap_schedule=not overlap, disable_plan_stream=not plan,
-                                max_running_requests=max(ns.batches), context_length=4096,
-                                max_total_tokens=max(ns.batches) * 4096, chunked_prefill_size=8192)
-                for batch in ns.batches:
-                    r = {"shape": shape, "overlap": overlap, "plan_stream": plan, "batch": batch, **measure(engine, batch)}
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                engine.shutdown()
-                del engine
-                gc.collect()
-                torch.cuda.empty_cache()
+        for overlap, plan in configs:
+            spec = {} if overlap is None else dict(
+                speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3,
+                speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                disable_overlap_schedule=not overlap, disable_plan_stream=not plan)
+            engine = Engine(target, load_format="dummy", device="cuda", dtype="bfloat16", **spec,
+                            attention_backend=ns.attention_backend, disable_cuda_graph=ns.disable_cuda_graph,
+                            max_running_requests=max(ns.batches), context_length=4096,
+                            max_total_tokens=max(ns.batches) * 4096, chunked_prefill_size=8192)
+            for batch in ns.batches:
+                r = {"shape": shape, "mode": "plain" if overlap is None else "spec", "overlap": overlap,
+                     "plan_stream": plan, "batch": batch, "attention_backend": ns.attention_backend,
+                     "cuda_graphs": not ns.disable_cuda_graph, **measure(engine, batch)}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": "python bench/overlap_bench.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':14} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'idle':>6}  host ms: sched launch wait update")
+    print(f"{'shape':14} {'mode':5} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'gpu ms':>7} {'idle':>6}"
+          "  host ms: sched launch wait update")
     for r in rows:
         c = r["cpu_ms_per_iter"]
-        print(f"{r['shape']:14} {r['batch']:>3} {r['overlap']!s:>7} {r['plan_stream']!s:>5} "
-              f"{r['iter_ms']:>8.2f} {r['gpu_idle_frac']:>6.1%}  {c['schedule']:6.2f} {c['launch']:6.2f} "
-              f"{c['collect_wait']:6.2f} {c['update']:6.2f}")
+        print(f"{r['shape']:14} {r['mode']:5} {r['batch']:>3} {r['overlap']!s:>7} {r['plan_stream']!s:>5} "
+              f"{r['iter_ms']:>8.2f} {r['gpu_busy_ms_per_iter']:>7.2f} {r['gpu_idle_frac']:>6.1%}  {c['schedule']:6.2f} "
+              f"{c['launch']:6.2f} {c['collect_wait']:6.2f} {c['update']:6.2f}")
+    for r in rows:
+        print(f"top GPU ms/iter {r['shape']} {r['mode']} B={r['batch']} overlap={r['overlap']} plan={r['plan_stream']}:")
+        for name, ms in r["top_gpu_ms_per_iter"]:
+            print(f"    {ms:8.3f}  {name}")
 
 
 if __name__ == "__main__":

@@ -40,3 +40,9 @@ def cuda_graph_emulate() -> bool:
     "replay" being a plain call on the static, padded inputs, so the padding logic is tested
     without a GPU."""
     return os.environ.get("TANDEM_CUDA_GRAPH_EMULATE", "0") == "1"
+
+
+def disable_fused_kernels() -> bool:
+    """TANDEM_DISABLE_FUSED_KERNELS=1: on a GPU, run RMSNorm, rotary and SiLU-and-mul as plain torch
+    ops instead of the fused triton kernels (layers/fused_kernels.py): for comparisons and bisecting."""
+    return os.environ.get("TANDEM_DISABLE_FUSED_KERNELS", "0") == "1"

@@ -1,7 +1,7 @@
 """Runs a speculative greedy workload on the GPU and prints the outputs as JSON (one process, so a
 deliberately broken configuration cannot take the test process's CUDA context down with it).
 
-python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain]
+python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain] [--no-graph] [--triton]
 """
 
 import argparse
@@ -34,11 +34,15 @@ def main(argv=None):
     ap.add_argument("--tree", action="store_true")
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--self-draft", action="store_true", help="the target drafts for itself (high acceptance)")
+    ap.add_argument("--no-graph", action="store_true", help="eager decode steps (no CUDA graphs)")
+    ap.add_argument("--triton", action="store_true", help="the triton attention backend")
     ns = ap.parse_args(argv)
     target, head = models(ns.root)
     shape = (dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8) if ns.tree
              else dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4))
-    kwargs = dict(device=os.environ.get("SPEC_RUN_DEVICE", "cuda"), dtype="float32", page_size=4, max_total_tokens=32768, max_running_requests=16)
+    kwargs = dict(device=os.environ.get("SPEC_RUN_DEVICE", "cuda"), dtype="float32", page_size=4, max_total_tokens=32768,
+                  max_running_requests=16, disable_cuda_graph=ns.no_graph,
+                  attention_backend="triton" if ns.triton else "torch")
     if not ns.plain:
         kwargs.update(shape, speculative_algorithm="STANDALONE" if ns.self_draft else "EAGLE3",
                       speculative_draft_model_path=target if ns.self_draft else head,

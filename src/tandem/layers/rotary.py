@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from tandem.layers.fused import kernels, use_fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # float32 throughout, exactly as transformers computes it, so greedy tokens match bit for bit.
@@ -51,6 +53,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [N, heads, D], k: [N, kv_heads, D]
+        if use_fused(q) and q.stride(2) == 1 and k.stride(2) == 1:
+            return kernels().rotary_(positions, q, k, self.cos, self.sin)  # in place
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

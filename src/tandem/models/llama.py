@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from tandem.layers.attention.base import AttentionBackend
 from tandem.distributed.parallel_state import TPGroup, kv_heads_layout, split_evenly
+from tandem.layers.fused import kernels, use_fused
 from tandem.layers.linear import Linear, MergedLinear, RowParallelLinear, default_weight_loader
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -98,7 +99,10 @@ class LlamaMLP(nn.Module):
             Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if use_fused(gate_up):
+            return self.down_proj(kernels().silu_mul(gate_up))  # gate and up halves, as stored
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -111,8 +115,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, ctx):
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(positions, self.input_layernorm(x), ctx)
+        h, x = self.post_attention_layernorm(h, residual=x)  # x + attention, normalised (one kernel on a GPU)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
