@@ -119,8 +119,13 @@ def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(url + "/metrics", headers=headers, timeout=5)
     r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {'name{labels}': value} (labels as the exporter wrote them)."""
     out = {}
-    for line in r.text.splitlines():
+    for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m:
             out[m.group(1)] = float(m.group(2))

@@ -3,9 +3,7 @@ handling that need no model."""
 
 from __future__ import annotations
 
-import time
 import warnings
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,44 +12,16 @@ with warnings.catch_warnings():  # starlette suggests a different httpx package;
     from starlette.testclient import TestClient
 
 from tandem.demo import byte_level_tokenizer
-from tandem.engine import ipc
 from tandem.server.app import build_app
-
-
-class EchoEngineClient:
-    """Answers each request with its own prompt tokens, one delta per token."""
-
-    def __init__(self):
-        self.info = ipc.CoreReady(pid=0, model_path="/m", max_model_len=64, vocab_size=259, page_size=4,
-                                  num_pages=16, speculative_algorithm=None)
-        self.stats = ipc.EngineStats(kv_pages_total=16)
-        self.dead_reason = None
-        self.alive = True
-        self.num_queued = 0
-        self.process = SimpleNamespace(pid=0)
-        self.aborted: list[str] = []
-
-    async def start(self):
-        return self.info
-
-    async def shutdown(self):
-        pass
-
-    def add(self, request_id, prompt_token_ids, params, queue):
-        out = prompt_token_ids[: params.max_new_tokens]
-        for i, tok in enumerate(out):
-            last = i == len(out) - 1
-            queue.put_nowait((ipc.TokenDelta(request_id, [tok], None, "length" if last else None), time.monotonic()))
-
-    def abort(self, request_ids):
-        self.aborted += request_ids
+from tandem.server.replicas import ReplicaSet
+from tests.server.echo_client import EchoEngineClient
 
 
 @pytest.fixture
 def app_client():
     tok = byte_level_tokenizer()  # no chat template
     engine = EchoEngineClient()
-    with TestClient(build_app(engine, tok, "echo")) as http:
+    with TestClient(build_app(ReplicaSet([engine]), tok, "echo")) as http:
         http.engine = engine
         yield http
 

@@ -45,8 +45,9 @@ def wait_idle(server, pages_used: float = 0.0) -> dict[str, float]:
     """Waits until the engine runs nothing and its KV pages in use are back to `pages_used`."""
     def idle():
         m = metrics(server)
-        ok = (m["tandem:num_requests_running"] == 0 and m["tandem:num_requests_waiting"] == 0
-              and m["tandem:kv_pages_used"] == pages_used)
+        ok = (m['tandem:num_requests_running{replica="0"}'] == 0
+              and m['tandem:num_requests_waiting{replica="0"}'] == 0
+              and m['tandem:kv_pages_used{replica="0"}'] == pages_used)
         return m if ok else None
 
     m = wait_for(idle, timeout=15)
@@ -273,8 +274,8 @@ def test_queue_full_503_and_disconnect_frees_pages(server, oai):
             streams.append(resp)
         assert server.health()["queued_requests"] == MAX_QUEUED
         busy = metrics(server)
-        assert busy["tandem:num_requests_running"] == MAX_RUNNING
-        assert busy["tandem:kv_pages_used"] > start["tandem:kv_pages_used"]
+        assert busy['tandem:num_requests_running{replica="0"}'] == MAX_RUNNING
+        assert busy['tandem:kv_pages_used{replica="0"}'] > start['tandem:kv_pages_used{replica="0"}']
         # ... so one more is refused, streaming or not.
         for stream in (False, True):
             r = http.post(C, json={**long_request(stream), "max_tokens": 4})
@@ -285,7 +286,7 @@ def test_queue_full_503_and_disconnect_frees_pages(server, oai):
             resp.close()  # the client goes away mid-stream
         http.close()
     # every request is aborted in the engine and its pages come back
-    end = wait_idle(server, start["tandem:kv_pages_used"])
+    end = wait_idle(server, start['tandem:kv_pages_used{replica="0"}'])
     aborts = end['tandem:requests_finished_total{finished_reason="abort"}']
     assert aborts - start['tandem:requests_finished_total{finished_reason="abort"}'] == MAX_RUNNING + MAX_QUEUED
     assert oai.completions.create(model=MODEL_NAME, prompt="after", max_tokens=4).choices[0].text is not None
@@ -297,7 +298,7 @@ def test_non_streaming_disconnect_aborts(server):
         httpx.post(server.url + C, json=long_request(stream=False), headers=AUTH, timeout=0.5)
     key = 'tandem:requests_finished_total{finished_reason="abort"}'
     assert wait_for(lambda: metrics(server)[key] == start[key] + 1, timeout=10)
-    wait_idle(server, start["tandem:kv_pages_used"])
+    wait_idle(server, start['tandem:kv_pages_used{replica="0"}'])
 
 
 def test_metrics_move_by_one_request(server, oai):
@@ -315,9 +316,9 @@ def test_metrics_move_by_one_request(server, oai):
     assert diff("tandem:time_to_first_token_seconds_count") == 1
     assert diff("tandem:inter_token_latency_seconds_count") == 9
     assert diff("tandem:e2e_request_latency_seconds_count") == 1
-    assert after["tandem:kv_pages_used"] == before["tandem:kv_pages_used"]
-    assert after["tandem:kv_pages_total"] > 0 and after["tandem:engine_core_up"] == 1
-    assert "tandem:spec_decode_num_drafts_total" not in after  # not a speculative server
+    assert after['tandem:kv_pages_used{replica="0"}'] == before['tandem:kv_pages_used{replica="0"}']
+    assert after['tandem:kv_pages_total{replica="0"}'] > 0 and after['tandem:engine_core_up{replica="0"}'] == 1
+    assert not any(k.startswith("tandem:spec_decode") for k in after)  # not a speculative server
 
 
 # ---- speculative server; engine death; shutdown ---------------------------------------------------
@@ -328,7 +329,7 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
     oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
     model = oai.models.list().data[0].id
     before = scrape(url)
-    assert before["tandem:spec_decode_num_drafts_total"] == 0
+    assert before['tandem:spec_decode_num_drafts_total{replica="0"}'] == 0
 
     ref = greedy(ref_engine, 20, PROMPTS[1], ignore_eos=True)
     r = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0,
@@ -339,15 +340,16 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
     assert r.usage.spec_verify_steps >= 4
 
     after = scrape(url)
-    drafts = after["tandem:spec_decode_num_drafts_total"]
-    accepted = after["tandem:spec_decode_num_accepted_tokens_total"]
+    drafts = after['tandem:spec_decode_num_drafts_total{replica="0"}']
+    accepted = after['tandem:spec_decode_num_accepted_tokens_total{replica="0"}']
     # (the engine may run a verify step whose tokens nobody needs, e.g. one scheduled ahead)
     assert drafts >= r.usage.spec_verify_steps
-    assert after["tandem:spec_decode_num_draft_tokens_total"] == 3 * drafts
+    assert after['tandem:spec_decode_num_draft_tokens_total{replica="0"}'] == 3 * drafts
     assert 0 < accepted <= 3 * drafts
-    per_pos = [after[f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)]
+    per_pos = [after[f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}",replica="0"}}']
+               for p in range(3)]
     assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == accepted
-    assert after["tandem:spec_decode_mean_accept_length"] == pytest.approx(1 + accepted / drafts)
+    assert after['tandem:spec_decode_mean_accept_length{replica="0"}'] == pytest.approx(1 + accepted / drafts)
 
     # Kill the engine core mid-stream: the stream ends with an error, the server answers 503.
     engine_pid = spec_server.health()["engine_pid"]
@@ -363,7 +365,7 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
 
     t = threading.Thread(target=stream)
     t.start()
-    assert wait_for(lambda: scrape(url)["tandem:num_requests_running"] == 1, timeout=10)
+    assert wait_for(lambda: scrape(url)['tandem:num_requests_running{replica="0"}'] == 1, timeout=10)
     killed_at = time.monotonic()
     os.kill(engine_pid, signal.SIGKILL)
     t.join(10)
@@ -373,7 +375,7 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
     assert health.json()["error"]["code"] == "engine_unavailable"
     r = httpx.post(url + C, json={"prompt": "x"})
     check_error(r, 503, code="engine_unavailable")
-    assert scrape(url)["tandem:engine_core_up"] == 0
+    assert scrape(url)['tandem:engine_core_up{replica="0"}'] == 0
 
     # SIGTERM still shuts the front end down promptly.
     spec_server.sigterm_and_check(timeout=15)
