@@ -58,7 +58,9 @@ def test_rotary_in_place_on_strided_views(dtype, head_dim):
     cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
     want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     fused_kernels.rotary_(positions, q, k, rope.cos, rope.sin)
-    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    # float32: exact up to the last bit; bfloat16: at most one unit in the last place (the compiled
+    # kernel's fp32 -> bf16 conversions and torch's may round a tie differently).
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(q, want_q, **exact)
     torch.testing.assert_close(k, want_k, **exact)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched

@@ -271,9 +271,11 @@ class SpecWorker:
 
     def _compact_target_kv(self, vplan: plan.VerifyPlan, accept: AcceptResult) -> None:
         """Moves the KV of accepted tree nodes to consecutive positions after the root (a no-op copy
-        for chains and for unaccepted depths). Every source is read before any write."""
+        for unaccepted depths). Every source is read before any write."""
         depth = accept.path.shape[1]
-        if depth <= 1:
+        if depth <= 1 or getattr(self.drafter, "topk", 1) == 1:
+            # A chain's accepted nodes are 1..k in order: already where compaction would put them
+            # (and skipping it saves two kernels per KV layer every step).
             return
         j = torch.arange(1, depth, device=accept.path.device)
         src_node = torch.where(j < accept.accept_lens[:, None], accept.path[:, 1:], j)  # [B, D]

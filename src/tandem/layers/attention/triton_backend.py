@@ -20,7 +20,7 @@ import triton
 
 from tandem.layers.attention.base import AttentionBackend, AttentionBatch
 from tandem.layers.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from tandem.layers.attention.triton_kernels import attention_kernel, merge_splits_kernel
+from tandem.layers.attention.triton_kernels import attention_kernel, merge_splits_kernel, store_kv_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -139,6 +139,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping] = k and v_cache[slot_mapping] = v in one kernel (k/v [N, KVH, D], any
+    token and head strides, unit stride along D)."""
+    n, kv_heads, head_dim = k.shape
+    if n == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        k_cache[slot_mapping] = k
+        v_cache[slot_mapping] = v
+        return
+    store_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, slot_mapping.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                          KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+                          BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if kv_heads * head_dim <= 512 else 4)
+
+
 class TritonAttentionBackend(AttentionBackend):
     derives_causal_mask = True
 
@@ -170,6 +187,5 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
-        k_cache[metadata.slot_mapping] = k
-        v_cache[metadata.slot_mapping] = v
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return paged_attention(q, k_cache, v_cache, metadata, scale, self.num_kv_splits)

@@ -160,3 +160,19 @@ def merge_splits_kernel(
     else:
         tl.store(Out + row.to(tl.int64) * stride_on + head * stride_oh + offs_d * stride_od,
                  out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def store_kv_kernel(K, V, KCache, VCache, SlotMapping, stride_slot, stride_kn, stride_kh, stride_vn, stride_vh,
+                    stride_cn, stride_ch, stride_dn, stride_dh,
+                    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Writes token i's k and v (all KV heads) into cache slot SlotMapping[i]: one kernel for both."""
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SlotMapping + i * stride_slot).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(K + i * stride_kn + h * stride_kh + d, mask=ok)
+    v = tl.load(V + i * stride_vn + h * stride_vh + d, mask=ok)
+    tl.store(KCache + slot * stride_cn + h * stride_ch + d, k, mask=ok)
+    tl.store(VCache + slot * stride_dn + h * stride_dh + d, v, mask=ok)
