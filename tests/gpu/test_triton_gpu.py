@@ -145,6 +145,7 @@ def test_forward_replays_in_a_cuda_graph():
     new_meta = spec_plan.verify_metadata(spec_plan.plan_verify(pages, seq_lens, num_nodes, kv_bound, PAGE_SIZE), anc)
     meta.mask.copy_(new_meta.mask)
     meta.slot_mapping.copy_(new_meta.slot_mapping)
+    meta.kv_lens.copy_(new_meta.kv_lens)  # where each row's visible KV ends
     graph.replay()
     expect = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.1)
     torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)

@@ -29,14 +29,15 @@ def record_padded_sizes(graphed) -> list[int]:
     return sizes
 
 
-def run(engine, n):
+def run(engine, n, logprobs=None):
     """n requests, then n more once the first have finished: the late ones get freed pages and
     state rows, where a stale padded row would write."""
     rids, done = [], {}
 
     def add(first):
         for i in range(first, first + n):
-            params = SamplingParams(max_new_tokens=LENGTHS[i % len(LENGTHS)], temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=LENGTHS[i % len(LENGTHS)], temperature=0.0, ignore_eos=True,
+                                    logprobs=logprobs)
             rids.append(engine.add_request(PROMPTS[i], params))
 
     add(0)
@@ -75,9 +76,11 @@ def test_speculative_graphs(spec_models, reference, kind, shape):
                 cuda_graph_max_bs=16, **shape, **{**ENGINE, "max_running_requests": 12}) as engine:
         phases = engine.runner.spec.phases
         sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
-        check(run(engine, 10), reference)
+        check(run(engine, 10), reference)  # greedy: the whole-iteration graph
+        assert 12 in sizes["iteration"] and not sizes["verify"]  # 10 requests padded to 12
+        check(run(engine, 10, logprobs=1), reference)  # logprobs need the host: the three phase graphs
     for name in ("draft_tree", "verify", "extend"):
-        assert 12 in sizes[name], f"{name}: no padded replay"  # 10 requests padded to 12
+        assert 12 in sizes[name], f"{name}: no padded replay"
 
 
 def test_self_draft_accepts_everything_with_graphs(spec_models, reference):

@@ -181,7 +181,10 @@ def test_draft_step_metadata(splits):
     num_rows, topk, depth, kv_bound = 2, 3, 3, 48
     rows = page_rows(num_rows, (kv_bound + depth * topk) // PAGE_SIZE + 1, gen)
     base = torch.tensor([7, 40], device=DEVICE)
-    paths = torch.randint(0, topk, (num_rows, topk, depth), generator=gen).to(DEVICE)
+    paths = torch.randint(0, topk, (num_rows, topk, depth), generator=gen)
+    # As in a real tree, frontier node k's own entry is slot k: no two rows store to one slot.
+    paths[:, :, -1] = torch.arange(topk)
+    paths = paths.to(DEVICE)
     meta, _ = spec_plan.draft_step_metadata(rows, base, paths, topk, kv_bound, PAGE_SIZE)
     compare(lambda _: meta, num_rows * topk, 4, 1, 16, torch.float32, num_kv_splits=splits)
 

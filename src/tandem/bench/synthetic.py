@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from tandem.spec.tree import DraftTree
-from tandem.spec.verify import AcceptResult
-from tandem.spec.verify import _result as pack_accept_result  # packs accepted nodes + bonus, as the real rules do
+from tandem.spec.verify import AcceptResult, greedy_accept
 
 LABEL = "SYNTHETIC ACCEPTANCE: outputs are not the model's"
 
@@ -29,18 +28,8 @@ def synthetic_accept(tree: DraftTree, target_argmax: Tensor, uniforms: Tensor, p
 
     target_argmax: [B, N], used only for the bonus token; uniforms: [B, N] in [0, 1) (column 0 unused).
     """
-    batch, num_nodes = tree.tokens.shape
-    rows = torch.arange(batch, device=tree.tokens.device)
-    heads = uniforms < p  # [B, N] each node's coin
-    cur = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # [B] deepest accepted node
-    accepted = torch.zeros(batch, num_nodes, dtype=torch.bool, device=tree.tokens.device)  # [B, N]
-    accepted[:, 0] = True
-    for c in range(1, num_nodes):
-        # Children follow their parent in index order, so the first child with heads wins.
-        accept = (tree.parents[:, c] == cur) & heads[:, c]
-        accepted[:, c] = accept
-        cur = torch.where(accept, c, cur)
-    return pack_accept_result(tree, accepted, bonus=target_argmax[rows, cur])
+    use_coins = torch.ones(tree.tokens.shape[0], dtype=torch.bool, device=tree.tokens.device)
+    return greedy_accept(tree, target_argmax, coins=uniforms < p, use_coins=use_coins)
 
 
 def expected_accept_length(p: float, num_steps: int) -> float:
@@ -59,10 +48,17 @@ class SyntheticAcceptance:
         self._gen: torch.Generator | None = None  # made on the logits' device at the first step
 
     def __call__(self, tree: DraftTree, logits: Tensor) -> AcceptResult:
-        if self._gen is None:
-            self._gen = torch.Generator(device=logits.device).manual_seed(self.seed)
-        uniforms = torch.rand(tree.tokens.shape, generator=self._gen, device=logits.device)  # [B, N]
+        uniforms = self.uniforms(tree.tokens.shape, logits.device)
         return synthetic_accept(tree, logits.argmax(-1), uniforms, self.p)
+
+    def coins(self, shape, device) -> Tensor:
+        """[B, N] bool: which nodes' coins came up (the input of a graphed decode iteration)."""
+        return self.uniforms(shape, device) < self.p
+
+    def uniforms(self, shape, device) -> Tensor:
+        if self._gen is None:
+            self._gen = torch.Generator(device=device).manual_seed(self.seed)
+        return torch.rand(shape, generator=self._gen, device=device)
 
 
 def install(engine, p: float, seed: int = 0) -> SyntheticAcceptance:

@@ -129,7 +129,7 @@ class ModelRunner:
             return
         else:
             pool = self.spec.pool
-            functions = self.spec.phases.build_graphs(pool.staging_pages.shape[1] * self.page_size,
+            functions = self.spec.phases.build_graphs(self.spec, pool.staging_pages.shape[1] * self.page_size,
                                                       self._draft_feature_size(self.spec.drafter.model))
         capture_all(functions, sizes, self.device)
 

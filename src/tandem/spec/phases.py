@@ -62,6 +62,13 @@ class SpecPhases:
     def graphed(self, batch_size: int) -> bool:
         return bool(self.graphs) and self.graphs["verify"].fits(batch_size)
 
+    def iteration_graphed(self, batch_size: int) -> bool:
+        return "iteration" in self.graphs and self.graphs["iteration"].fits(batch_size)
+
+    def iteration(self, slots, page_rows, coins, use_coins):
+        """The whole greedy iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
+        return self.graphs["iteration"](slots, page_rows, coins, use_coins)
+
     def draft_tree(self, slots, page_rows, kv_bound: int) -> DraftTree:
         if not self.graphed(slots.shape[0]):
             return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_draft_tokens)
@@ -87,8 +94,10 @@ class SpecPhases:
         self.graphs["extend"](*args)
 
     # ---- capture -----------------------------------------------------------------------------
-    def build_graphs(self, kv_width: int, feature_size: int | None) -> list[GraphedFunction]:
-        """Declares the three graphs (captured by the caller with the runner's other graphs)."""
+    def build_graphs(self, worker, kv_width: int, feature_size: int | None) -> list[GraphedFunction]:
+        """Declares the graphs (captured by the caller with the runner's other graphs): the three
+        phases, for rows that need the host mid-iteration (sampling, penalties, logprobs), and the
+        whole iteration for greedy rows."""
         runner, drafter = self.runner, self.drafter
         pool = drafter.pool
         self.graph_kv_width = kv_width
@@ -126,4 +135,11 @@ class SpecPhases:
             def fn(slots, tokens, *rest):
                 return self._extend_fn(slots, tokens, None, *rest)
         self.graphs["extend"] = GraphedFunction("draft extend", fn, ext, device)
+
+        def iteration(slots, page_rows, coins, use_coins):
+            return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width)
+
+        self.graphs["iteration"] = GraphedFunction("whole greedy iteration", iteration, [
+            GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
+            GraphInput((n,), torch.bool, False), GraphInput((), torch.bool, False)], device)
         return list(self.graphs.values())

@@ -29,11 +29,16 @@ class AcceptResult:
     out_tokens: Tensor  # [B, D+1] int64: tokens[path[1:accept_lens]] then the bonus token; -1 after it
 
 
-def greedy_accept(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
+def greedy_accept(tree: DraftTree, target_argmax: Tensor, coins: Tensor | None = None,
+                  use_coins: Tensor | None = None) -> AcceptResult:
     """target_argmax: [B, N], the target's greedy next token after each node.
 
     Move to the child whose token equals the target's argmax at the current node; stop when
     none does. The bonus token is the argmax at the last accepted node.
+
+    BENCHMARK ONLY: rows with `use_coins` [B] set accept child c when `coins[b, c]` holds instead of
+    when its token matches (synthetic acceptance, tandem.bench.synthetic). Both rules live in one
+    function so one captured CUDA graph serves either.
     """
     batch, num_nodes = tree.tokens.shape
     rows = torch.arange(batch, device=tree.tokens.device)
@@ -42,7 +47,10 @@ def greedy_accept(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
     accepted[:, 0] = True
     for c in range(1, num_nodes):
         is_child = tree.parents[:, c] == cur
-        accept = is_child & (tree.tokens[:, c] == target_argmax[rows, cur])  # the first matching child wins
+        match = tree.tokens[:, c] == target_argmax[rows, cur]
+        if coins is not None:
+            match = torch.where(use_coins, coins[:, c], match)
+        accept = is_child & match  # the first matching child wins
         accepted[:, c] = accept
         cur = torch.where(accept, c, cur)
     return _result(tree, accepted, bonus=target_argmax[rows, cur])

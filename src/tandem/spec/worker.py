@@ -130,15 +130,10 @@ class SpecWorker:
         # A CUDA graph was captured for one KV window, the widest; eager steps use their own bound.
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
-        # Host: fill the pinned staging buffer with this step's pool rows and page tables. It is
-        # reused every step, so first wait until the plan stream's previous copy out of it is done.
-        if self._last is not None and self._last.staging_released is not None:
-            s.host_wait(self._last.staging_released)
-        s.write("page_table_staging", "host")
-        pool.staging_slots[:b] = torch.tensor([pool.slot(c.request_id) for c in chunks], dtype=torch.long)
-        pool.staging_pages[:b] = 0
-        for i, c in enumerate(chunks):
-            pool.staging_pages[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
+        self._stage_page_tables(chunks)
+        if self._whole_iteration_graph(chunks):
+            self._launch_verify_graphed(chunks, handle, outputs)
+            return
 
         # Plan stream: upload, then the verify plan.
         with s.on("plan"):
@@ -201,6 +196,82 @@ class SpecWorker:
         outputs["out_tokens"] = accept.out_tokens
         if any(c.sampling_params.logprobs is not None for c in chunks):
             self._verify_logprobs(chunks, logits, accept, outputs)
+
+    def _stage_page_tables(self, chunks) -> None:
+        """Host: fills the pinned staging buffer with this step's pool rows and page tables. It is
+        reused every step, so first wait until the previous step's copy out of it is done."""
+        s, pool, b = self.streams, self.pool, len(chunks)
+        if self._last is not None and self._last.staging_released is not None:
+            s.host_wait(self._last.staging_released)
+        s.write("page_table_staging", "host")
+        pool.staging_slots[:b] = torch.tensor([pool.slot(c.request_id) for c in chunks], dtype=torch.long)
+        pool.staging_pages[:b] = 0
+        for i, c in enumerate(chunks):
+            pool.staging_pages[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
+
+    # ---- the whole iteration as one CUDA graph (greedy rows) -------------------------------
+    def _whole_iteration_graph(self, chunks) -> bool:
+        """Greedy rows without penalties or logprobs (or synthetic acceptance) need nothing from the
+        host between draft and extend, so one graph replays the whole iteration."""
+        if not self.phases.iteration_graphed(len(chunks)):
+            return False
+        synthetic = getattr(self, "bench_synthetic_acceptance", None)
+        return all((synthetic is not None or (c.sampling_params.greedy and not c.sampling_params.needs_penalties))
+                   and c.sampling_params.logprobs is None for c in chunks)
+
+    def _launch_verify_graphed(self, chunks, handle: SpecStepHandle, outputs) -> None:
+        """Everything on the main stream: the graph builds its own metadata from the page rows and the
+        pool's device state, so there is nothing for the plan stream to prepare in parallel."""
+        s, pool, device, b = self.streams, self.pool, self.runner.device, len(chunks)
+        it = handle.iteration
+        s.read("page_table_staging", "main")
+        s.write(f"page_rows[{it}]", "main")
+        slots = pool.staging_slots[:b].to(device, non_blocking=True, copy=True)
+        page_rows = pool.staging_pages[:b].to(device, non_blocking=True, copy=True)
+        handle.staging_released = s.record("main", "staging_released")
+        synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _accept)
+        shape = (b, self.num_draft_tokens)
+        if synthetic is not None:
+            coins = synthetic.coins(shape, device)
+        else:
+            coins = torch.zeros(shape, dtype=torch.bool, device=device)
+        use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
+        s.read("seq_lens", "main")
+        s.write("seq_lens", "main")
+        accept_lens, out_tokens = self.phases.iteration(slots, page_rows, coins, use_coins)
+        handle.verify_ids = [c.request_id for c in chunks]
+        handle.max_depth = self.phases.tree_max_depth
+        outputs["accept_lens"] = accept_lens
+        outputs["out_tokens"] = out_tokens
+
+    def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int):
+        """One greedy speculative iteration from device state alone (the body of the whole-iteration
+        graph): draft tree, verify, accept, compact, new lengths, draft extend. The same steps as
+        `_launch_verify`, without the plan stream and the host in between."""
+        pool, runner, drafter = self.pool, self.runner, self.drafter
+        n, ps = self.num_draft_tokens, runner.page_size
+        # Padded rows share the pool's pad row; start it from zero so their positions stay small.
+        pool.seq_lens[pool.pad_slot] = 0
+        pool.draft_entries[pool.pad_slot] = 0
+        seq_lens = pool.seq_lens[slots]
+        vplan = plan.plan_verify(page_rows, seq_lens, n, kv_bound, ps)
+        tree = drafter.draft_tree(slots, page_rows, kv_bound, n)
+        logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
+                                                          vplan.node_slots, vplan.node_cols, vplan.kv_slots,
+                                                          vplan.prefix_mask)
+        accept = self._same_on_every_rank(greedy_accept(tree, logits.argmax(-1), coins, use_coins))
+        self._compact_target_kv(vplan, accept)
+        pool.seq_lens[slots] = seq_lens + accept.accept_lens
+        pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
+        first_pos = seq_lens + 1 - drafter.model.token_offset
+        ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
+        feature = self._feature(hidden.reshape(-1, hidden.shape[-1]), [a.reshape(-1, a.shape[-1]) for a in aux])
+        features = None
+        if feature is not None:
+            rows = accept.path.clamp(min=0) + torch.arange(slots.shape[0], device=slots.device)[:, None] * n
+            features = feature[rows]
+        drafter.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
+        return accept.accept_lens, accept.out_tokens
 
     def _feature(self, hidden, aux):
         kind = self.drafter.model.target_hidden
