@@ -44,7 +44,7 @@ def greedy_accept(tree: DraftTree, target_argmax: Tensor, coins: Tensor | None =
     rows = torch.arange(batch, device=tree.tokens.device)
     cur = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # [B] deepest accepted node
     accepted = torch.zeros(batch, num_nodes, dtype=torch.bool, device=tree.tokens.device)  # [B, N]
-    accepted[:, 0] = True
+    accepted[:, 0].fill_(True)  # fill_, not "= True": that copies a host value, which a CUDA graph capture rejects
     for c in range(1, num_nodes):
         is_child = tree.parents[:, c] == cur
         match = tree.tokens[:, c] == target_argmax[rows, cur]

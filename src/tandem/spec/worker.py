@@ -251,8 +251,8 @@ class SpecWorker:
         pool, runner, drafter = self.pool, self.runner, self.drafter
         n, ps = self.num_draft_tokens, runner.page_size
         # Padded rows share the pool's pad row; start it from zero so their positions stay small.
-        pool.seq_lens[pool.pad_slot] = 0
-        pool.draft_entries[pool.pad_slot] = 0
+        pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (a kernel: no host value inside a capture)
+        pool.draft_entries[pool.pad_slot:pool.pad_slot + 1].zero_()
         seq_lens = pool.seq_lens[slots]
         vplan = plan.plan_verify(page_rows, seq_lens, n, kv_bound, ps)
         tree = drafter.draft_tree(slots, page_rows, kv_bound, n)
