@@ -36,6 +36,8 @@ def main(argv=None):
     ap.add_argument("--self-draft", action="store_true", help="the target drafts for itself (high acceptance)")
     ap.add_argument("--no-graph", action="store_true", help="eager decode steps (no CUDA graphs)")
     ap.add_argument("--triton", action="store_true", help="the triton attention backend")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="ask for logprobs: speculative steps then take the phase graphs and the plan stream")
     ns = ap.parse_args(argv)
     target, head = models(ns.root)
     shape = (dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8) if ns.tree
@@ -49,7 +51,7 @@ def main(argv=None):
                       disable_overlap_schedule=ns.no_overlap, disable_plan_stream=ns.no_plan)
     faults = FaultInjection(drop=frozenset([ns.drop] if ns.drop else []))
     engine = Engine(target, _runner_hooks={"stream_faults": faults}, **kwargs)
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
     ids = prompts(10, seed=21) + prompts(6, seed=22)
     # Staggered arrivals: prefill and verify rows share iterations.
     rids = [engine.add_request(p, params) for p in ids[:8]]
