@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -214,10 +215,29 @@ class TensorParallelRunner:
                 p.kill()
                 p.join()
         if dist.is_initialized():
+            _destroy_process_group(timeout_s)
+
+
+def _destroy_process_group(timeout_s: float) -> None:
+    """Ends the process group without letting a teardown hang stop the engine's shutdown. On two
+    H200s, NCCL's teardown on rank 0 hung after rank 1 had exited (2026-11-29); the workers now
+    tear their NCCL group down too (worker_main), and this bounds the wait either way."""
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
             dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="tp-teardown", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("tensor-parallel process group teardown did not finish in %.0f s; "
+                       "leaving it to process exit", timeout_s)
 
 
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------
+WORKER_TEARDOWN_S = 10.0
 def worker_main() -> None:
     """A rank other than 0, described by the rendezvous environment variables."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -230,8 +250,12 @@ def worker_main() -> None:
     torch.manual_seed(seed)
     runner = ModelRunner(config, arch, max_model_len, tp=tp)
     worker_loop(runner, tp)
-    # Exit at once, without tearing the process group down: gloo's teardown races with rank 0's
-    # (it can hang, or abort when rank 0 closes its sockets first), and nothing is left to save.
+    if device_type == "cuda":
+        # NCCL expects every rank to take its communicator down; rank 0 hung in its teardown when
+        # this rank just exited. Bounded, like rank 0's.
+        _destroy_process_group(WORKER_TEARDOWN_S)
+    # Then exit at once: gloo's teardown races with rank 0's (it can hang, or abort when rank 0
+    # closes its sockets first), and nothing is left to save.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
