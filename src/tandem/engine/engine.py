@@ -34,7 +34,7 @@ class EngineArgs:
     chunked_prefill_size: int = 2048
     page_size: int = 16
     max_total_tokens: int | None = None  # KV capacity in tokens; None: sized from memory
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # None: triton on a GPU (if installed), torch on a CPU
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3
@@ -50,6 +50,19 @@ class EngineArgs:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def default_attention_backend(device: str) -> str:
+    """triton on a GPU: CUDA graphs give every decode step the widest KV window, which the triton
+    kernels skip past each row's length and the torch reference backend does not."""
+    if not device.startswith("cuda"):
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: attention falls back to the slow torch backend")
+        return "torch"
+    return "triton"
 
 
 def default_device() -> str:
@@ -94,7 +107,7 @@ class Engine:
             speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_draft_model_path,
                                           args.speculative_num_steps, args.speculative_eagle_topk,
                                           args.speculative_num_draft_tokens),
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend or default_attention_backend(device),
             disable_overlap_schedule=args.disable_overlap_schedule,
             disable_plan_stream=args.disable_plan_stream,
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
