@@ -1,6 +1,8 @@
 """The device-only phases of a speculative decode iteration: draft the tree, run the target over it
 (verify forward), and extend the draft over the accepted tokens. Each runs eagerly or, on a GPU,
-replays a CUDA graph captured per padded batch size (runtime/cuda_graphs.py).
+replays a CUDA graph captured per padded batch size (runtime/cuda_graphs.py). Greedy steps go
+further: `SpecWorker.decode_iteration` (all phases plus acceptance and the state updates) is one
+graph, since nothing in it needs the host.
 
 Graphs need shapes fixed at capture, so in graph mode every decode step uses the widest KV window
 (`graph_kv_width`, a request's most pages) instead of the step's own bound; the kernels stop at each

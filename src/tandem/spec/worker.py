@@ -14,6 +14,12 @@ draft is prefilled on the shifted tokens). Verify rows go first:
 The verify plan depends only on seq_lens and the page table, and the extend plan only on those
 too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
 engine can schedule the next step while this one runs.
+
+With CUDA graphs, a step whose verify rows are all greedy (no penalties, no logprobs) replays the
+whole iteration as one graph on the main stream (`decode_iteration`): the graph builds the plans
+itself, so the plan stream has nothing left to overlap (measured: with graphs it neither helped nor
+hurt, docs/performance.md). Steps that need the host between verify and accept (sampling,
+penalties, logprobs) keep the choreography above, with the three phases graphed separately.
 """
 
 from __future__ import annotations
