@@ -68,23 +68,31 @@ def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_s
     """One tree-drafting step: frontier node (b, k) at depth d sits at draft position base + d - 1,
     stores its KV in scratch position base + (d - 1) * topk + k, and sees the real draft prefix
     [0, base) plus the scratch entries of its ancestors (`paths` [B, K, d]: frontier slot per depth).
-    Returns (metadata over B*K single-query rows, positions [B*K])."""
+    Returns (metadata over B*K single-query rows, positions [B*K]).
+
+    Row (b, k)'s KV columns are its prefix [0, base) followed at once by its d scratch entries, so
+    the row ends at base + d (`kv_lens`): kernels that read kv_lens stop there instead of walking the
+    whole window, which with CUDA graphs is as wide as the longest possible request."""
     b, k, d = paths.shape
     device = page_rows.device
-    kv_pos = torch.arange(kv_bound, device=device)
-    prefix_slots = page_slots(page_rows, kv_pos.expand(b, -1), page_size)  # [B, L]
-    prefix_valid = kv_pos[None, :] < base[:, None]  # [B, L]
+    width = kv_bound + d
+    cols = torch.arange(width, device=device)
+    prefix_slots = page_slots(page_rows, cols.clamp(max=kv_bound - 1).expand(b, -1), page_size)  # [B, W]
     scratch_pos = base[:, None, None] + torch.arange(d, device=device) * topk + paths  # [B, K, d]
     scratch_slots = page_slots(page_rows, scratch_pos.reshape(b, k * d), page_size).view(b, k, d)
-    kv_slots = torch.cat([prefix_slots[:, None].expand(b, k, kv_bound), scratch_slots], dim=2)
-    mask = torch.cat([prefix_valid[:, None].expand(b, k, kv_bound),
-                      torch.ones(b, k, d, dtype=torch.bool, device=device)], dim=2)
+    j = (cols[None, :] - base[:, None])[:, None, :]  # [B, 1, W]: column's index among the scratch entries
+    in_scratch = (j >= 0) & (j < d)
+    scratch_at = scratch_slots.gather(2, j.clamp(0, d - 1).expand(b, k, width))  # [B, K, W]
+    kv_slots = torch.where(in_scratch, scratch_at, prefix_slots[:, None, :])  # [B, K, W]
+    row_end = base + d  # [B]
+    mask = (cols[None, :] < row_end[:, None])[:, None, :].expand(b, k, width)
     metadata = TorchAttentionMetadata(
         slot_mapping=scratch_slots[:, :, -1].reshape(-1),
         query_index=torch.arange(b * k, device=device).view(b * k, 1),
         query_valid=None,
-        kv_slots=kv_slots.reshape(b * k, kv_bound + d),
-        mask=mask.reshape(b * k, 1, 1, kv_bound + d),
+        kv_slots=kv_slots.reshape(b * k, width),
+        mask=mask.reshape(b * k, 1, 1, width),
+        kv_lens=row_end.repeat_interleave(k).to(torch.int32),
     )
     positions = (base + d - 1)[:, None].expand(b, k).reshape(-1)
     return metadata, positions
