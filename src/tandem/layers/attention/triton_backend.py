@@ -44,8 +44,8 @@ class LaunchConfig:
     block_m: int  # query rows per program: Q_PER_BLOCK queries x GROUP heads, padded
     block_n: int  # KV entries per inner step
     q_per_block: int
-    num_splits: int  # KV splits per (row, query block, KV head), merged by a second kernel
-    blocks_per_split: int
+    num_splits: int  # KV splits per (row, query block, KV head), merged by a second kernel; they
+    # share out each row's KV blocks up to its length at run time
     num_warps: int = 4
     num_stages: int = 2
 
@@ -75,9 +75,7 @@ def launch_config(num_rows: int, lq: int, lkv: int, group: int, kv_heads: int, b
             if programs < sms:
                 num_kv_splits = min(-(-2 * sms // programs), kv_blocks // 2, 32)
     num_kv_splits = max(1, min(num_kv_splits, kv_blocks))
-    blocks_per_split = -(-kv_blocks // num_kv_splits)
-    num_kv_splits = -(-kv_blocks // blocks_per_split)
-    return LaunchConfig(block_m, block_n, q_per_block, num_kv_splits, blocks_per_split, num_warps)
+    return LaunchConfig(block_m, block_n, q_per_block, num_kv_splits, num_warps)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -119,7 +117,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *metadata.query_index.stride(), *(query_valid.stride() if query_valid is not None else (0, 0)),
         *metadata.kv_slots.stride(),
         *((mask.stride(0), mask.stride(2), mask.stride(3)) if mask is not None else (0, 0, 0)),
-        num_heads, lq, lkv, num_q_blocks, cfg.blocks_per_split,
+        num_heads, lq, lkv, num_q_blocks,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         GROUP=group, Q_PER_BLOCK=cfg.q_per_block,
         HAS_VALID=query_valid is not None, CAUSAL=causal, HAS_KV_LENS=kv_lens is not None,

@@ -28,7 +28,7 @@ def attention_kernel(
     stride_on, stride_oh, stride_od,
     stride_qib, stride_qij, stride_qvb, stride_qvj, stride_kvb, stride_kvj,  # [B, Lq] / [B, Lkv] metadata
     stride_mb, stride_mq, stride_mk,
-    num_heads, Lq, Lkv, num_q_blocks, blocks_per_split,
+    num_heads, Lq, Lkv, num_q_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, Q_PER_BLOCK: tl.constexpr,
     HAS_VALID: tl.constexpr,  # query_valid given: padded queries are not written
@@ -74,8 +74,11 @@ def attention_kernel(
         n_here = tl.minimum(first_q + Q_PER_BLOCK, q_len) - first_q
         # The block's last query sees up to diag + first_q + n_here - 1; a block of padding sees nothing.
         hi = tl.where(n_here > 0, diag + first_q + n_here, 0)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(hi, lo + blocks_per_split * BLOCK_N)
+    # The splits share out the blocks this program visits (up to its row's length), not the whole
+    # window: with CUDA graphs the window is as wide as the longest possible request.
+    per_split = (hi + BLOCK_N * NUM_SPLITS - 1) // (BLOCK_N * NUM_SPLITS)  # blocks per split
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(hi, lo + per_split * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: an all-masked block keeps alpha = 1
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
