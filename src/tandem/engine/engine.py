@@ -127,7 +127,10 @@ class Engine:
         else:
             self.runner = ModelRunner(self.config, self.arch, max_model_len, **(_runner_hooks or {}))
         spec = self.config.speculative
-        lookahead = spec.num_lookahead_tokens
+        # Overlap: schedule step N+1 while step N runs. A plain decode scheduled ahead writes its KV
+        # one position past the tokens the host knows: a lookahead of one.
+        self.overlap = not args.disable_overlap_schedule
+        lookahead = spec.num_lookahead_tokens if spec.algorithm else int(self.overlap)
         # A request whose worst case exceeds the whole pool could never be scheduled, even alone.
         capacity = self.runner.num_pages * args.page_size - lookahead + 1
         if capacity < self.max_model_len:
@@ -135,9 +138,6 @@ class Engine:
             self.max_model_len = capacity
             self.config = dataclasses.replace(
                 self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
-        # Overlap: schedule step N+1 while step N runs (speculative decoding; plain decoding runs the
-        # plain loop for now).
-        self.overlap = spec.algorithm is not None and not args.disable_overlap_schedule
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
                                    num_lookahead_tokens=lookahead, async_decode=self.overlap)
         self._inflight = None  # the launched step whose results are not processed yet
@@ -234,6 +234,11 @@ class Engine:
             out.deltas.append(RequestDelta(rid, list(new_ids), new_logprobs,
                                            req.finish_reason.value if req.is_finished else None, accept_len))
         out.finished = [self._final_output(req) for req in finished]
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            # The step in flight ran only for requests that have finished meanwhile: collect it now
+            # (its tokens are dropped) so an idle engine holds nothing.
+            stale, self._inflight = self._inflight, None
+            self.scheduler.update(self.runner.collect(stale).sampled, stale.iteration)
         return out
 
     def _hit_stop_string(self, req: Request, num_new: int) -> bool:

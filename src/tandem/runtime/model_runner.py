@@ -15,7 +15,7 @@ from tandem.distributed.parallel_state import TPGroup, kv_heads_layout
 from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
-from tandem.layers.sampler import SampleRow, sample
+from tandem.layers.sampler import SampleRow, SamplerOutput, sample
 from tandem.models.hf_config import ModelArchConfig
 from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
@@ -23,6 +23,7 @@ from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all, capture_batch_sizes
 from tandem.runtime.decode_plan import decode_metadata
+from tandem.runtime.plain_state import PlainStatePool, PlainStepHandle
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.spec.drafter import Drafter
 from tandem.spec.mtp_drafter import MTPDrafter, MTPStatePool
@@ -46,14 +47,6 @@ class StepResult:
 
 
 @dataclass
-class DoneStep:
-    """A step that already ran to completion (plain decoding)."""
-
-    iteration: int
-    result: StepResult
-
-
-@dataclass
 class FlatBatch:
     """One step's tokens laid out request by request, plus where to sample."""
 
@@ -63,6 +56,9 @@ class FlatBatch:
     sample_index: list[int]  # row of the flat batch whose logits give each sampled request's token
     sample_request_ids: list[str]
     sample_rows: list[SampleRow]
+    # Future chunks: rows of the flat batch whose input token is the device's last sampled token.
+    future_rows: list[int] = field(default_factory=list)
+    future_slots: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -105,8 +101,14 @@ class ModelRunner:
             self.spec = self._build_spec_worker(draft, max_model_len)
         # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
         self.histories: dict[str, list[int]] = {}
+        # Plain decoding: last sampled tokens on the device (overlap's "future" chunks read them), and
+        # the position of each request's next token (a future chunk's start_pos is only a lower bound).
+        self.plain_state = None if self.spec is not None else PlainStatePool(
+            config.scheduler.max_num_seqs + 8, self.device)
+        self.next_pos: dict[str, int] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
         self.decode_graph: GraphedFunction | None = None
+        self._staging_in_use: torch.cuda.Event | None = None  # the decode graph's last staging upload
         if config.cuda_graph_max_bs and (self.device.type == "cuda" or envs.cuda_graph_emulate()):
             self._capture_cuda_graphs(max_model_len)
 
@@ -118,10 +120,13 @@ class ModelRunner:
         if self.spec is None:
             max_pages = -(-max_model_len // self.page_size)
             self.decode_kv_width = max_pages * self.page_size
-            self._decode_staging = torch.zeros(sizes[-1], 2 + max_pages, dtype=torch.long,
+            self._decode_staging = torch.zeros(sizes[-1], 4 + max_pages, dtype=torch.long,
                                                pin_memory=self.device.type == "cuda")
             self.decode_graph = GraphedFunction("target decode", self._decode_forward, [
-                GraphInput((), torch.long, 0), GraphInput((), torch.long, 0),
+                GraphInput((), torch.long, 0),  # input token (when known on the host)
+                GraphInput((), torch.long, 0),  # position
+                GraphInput((), torch.long, self.plain_state.pad_slot),  # state row
+                GraphInput((), torch.long, 0),  # 1: the input token is the row's last sampled token
                 GraphInput((max_pages,), torch.long, self.sink_page)], self.device)
             functions = [self.decode_graph]
         elif isinstance(self.spec.drafter, MTPDrafter):
@@ -133,7 +138,8 @@ class ModelRunner:
                                                       self._draft_feature_size(self.spec.drafter.model))
         capture_all(functions, sizes, self.device)
 
-    def _decode_forward(self, input_ids, positions, page_rows):
+    def _decode_forward(self, input_ids, positions, slots, from_device, page_rows):
+        input_ids = torch.where(from_device.bool(), self.plain_state.last_token[slots], input_ids)
         metadata = decode_metadata(page_rows, positions, self.decode_kv_width, self.page_size,
                                    self.backend.derives_causal_mask)
         ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
@@ -142,21 +148,29 @@ class ModelRunner:
 
     def _graphable_decode(self, sched: SchedulerOutput) -> bool:
         return (self.decode_graph is not None and self.decode_graph.fits(len(sched.chunks))
-                and all(c.sample and len(c.token_ids) == 1 and c.start_pos > 0 for c in sched.chunks))
+                and all(c.sample and (c.is_future or len(c.token_ids) == 1 and c.start_pos > 0)
+                        for c in sched.chunks))
 
-    def _decode_logits_graphed(self, sched: SchedulerOutput) -> torch.Tensor:
+    def _decode_logits_graphed(self, sched: SchedulerOutput, positions: list[int]) -> torch.Tensor:
         """Decode logits [B, V] of a batch of one-token rows, from the captured graph."""
         b = len(sched.chunks)
-        # Pinned staging: [token, position, page ids...] per row. Reusing it next step is safe: the
-        # plain step reads its sampled tokens back (a sync) before the host writes here again.
+        if self._staging_in_use is not None:
+            # Pinned staging is reused every step: the previous step's copy out of it must be done.
+            self._staging_in_use.synchronize()
+        # [token, position, state row, token from the device?, page ids...] per row.
         staging = self._decode_staging[:b]
         staging.zero_()
-        for i, c in enumerate(sched.chunks):
-            staging[i, 0] = c.token_ids[0]
-            staging[i, 1] = c.start_pos
-            staging[i, 2:2 + len(c.page_ids)] = torch.tensor(c.page_ids)
+        for i, (c, pos) in enumerate(zip(sched.chunks, positions)):
+            staging[i, 0] = c.token_ids[0] if not c.is_future else 0
+            staging[i, 1] = pos
+            staging[i, 2] = self.plain_state.slot(c.request_id)
+            staging[i, 3] = int(c.is_future)
+            staging[i, 4:4 + len(c.page_ids)] = torch.tensor(c.page_ids)
         rows = staging.to(self.device, non_blocking=True)
-        (logits,) = self.decode_graph(rows[:, 0], rows[:, 1], rows[:, 2:])
+        if self.device.type == "cuda":
+            self._staging_in_use = torch.cuda.Event()
+            self._staging_in_use.record()
+        (logits,) = self.decode_graph(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4:])
         return logits
 
     def _draft_feature_size(self, draft) -> int | None:
@@ -208,13 +222,27 @@ class ModelRunner:
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
             self.histories.pop(rid, None)
+            self.next_pos.pop(rid, None)
+        if self.plain_state is not None:
+            self.plain_state.release(request_ids)
 
-    def record_history(self, chunk) -> None:
+    def record_history(self, chunk) -> int:
+        """Extends the request's token history with the chunk; returns the chunk's first position."""
         history = self.histories.setdefault(chunk.request_id, [])
+        if chunk.is_future:
+            # Its token is on the device (the step in flight sampled it). Only penalties read token
+            # values, and penalised requests are never scheduled ahead: a placeholder keeps the length
+            # (the seed step) right.
+            history.append(-1)
+            return self.next_pos[chunk.request_id]
         if chunk.start_pos == 0:
             history.clear()  # first chunk, or recompute after preemption
         assert len(history) == chunk.start_pos, "runner history out of step with the scheduler"
         history.extend(chunk.token_ids)
+        return chunk.start_pos
+
+    def _advance(self, chunk, start: int) -> None:
+        self.next_pos[chunk.request_id] = start + max(1, len(chunk.token_ids))
 
     def sample_row(self, chunk) -> SampleRow:
         history = self.histories[chunk.request_id]
@@ -225,14 +253,20 @@ class ModelRunner:
         query_lens, kv_slots = [], []
         sample_index, sample_ids, rows = [], [], []
         ps = self.page_size
+        future_rows, future_slots = [], []
         for chunk in sched.chunks:
-            n = len(chunk.token_ids)
-            self.record_history(chunk)
-            pos = range(chunk.start_pos, chunk.start_pos + n)
-            input_ids.extend(chunk.token_ids)
-            positions.extend(pos)
-            seq_slots = positions_to_slots(chunk.page_ids, range(chunk.start_pos + n), ps)
-            slots.extend(seq_slots[chunk.start_pos:])
+            start = self.record_history(chunk)
+            self._advance(chunk, start)
+            tokens = chunk.token_ids
+            if chunk.is_future:
+                future_rows.append(len(input_ids))
+                future_slots.append(self.plain_state.slot(chunk.request_id))
+                tokens = (0,)  # replaced on the device by the last sampled token
+            n = len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            seq_slots = positions_to_slots(chunk.page_ids, range(start + n), ps)
+            slots.extend(seq_slots[start:])
             query_lens.append(n)
             kv_slots.append(seq_slots)
             if chunk.sample:
@@ -240,11 +274,11 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
                 rows.append(self.sample_row(chunk))
         attention = AttentionBatch(query_lens, kv_slots, slots)
-        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows)
+        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows, future_rows, future_slots)
 
     def launch(self, sched: SchedulerOutput):
-        """Starts one step. Speculative steps return a handle whose results arrive later (overlap);
-        plain steps run to completion here and return their result wrapped the same way."""
+        """Starts one step and returns a handle whose results arrive later (`collect`), so the
+        engine can schedule the next step meanwhile (overlap)."""
         self.drop_requests(sched.preempted_ids)
         self.drop_requests(sched.finished_ids)
         if self.spec is not None:
@@ -255,12 +289,12 @@ class ModelRunner:
             return self.spec.launch(sched)
         if not sched.chunks:
             return None
-        return DoneStep(sched.iteration, self._execute_plain(sched))
+        return self._launch_plain(sched)
 
     def collect(self, handle) -> StepResult:
         """Waits for a launched step's results."""
-        if isinstance(handle, DoneStep):
-            return handle.result
+        if isinstance(handle, PlainStepHandle):
+            return self._collect_plain(handle)
         result = StepResult()
         self.spec.collect(handle, result)
         return result
@@ -271,34 +305,70 @@ class ModelRunner:
         return StepResult() if handle is None else self.collect(handle)
 
     @torch.inference_mode()
-    def _execute_plain(self, sched: SchedulerOutput) -> StepResult:
-        result = StepResult()
+    def _launch_plain(self, sched: SchedulerOutput) -> PlainStepHandle:
+        """Enqueues one plain step (forward, sampling, the sampled tokens into the device state and
+        a copy to pinned host memory) without waiting for it."""
+        handle = PlainStepHandle(sched.iteration)
         if self._graphable_decode(sched):
+            positions = []
             for chunk in sched.chunks:
-                self.record_history(chunk)
-            batch = FlatBatch([], [], None, list(range(len(sched.chunks))), [c.request_id for c in sched.chunks],
-                              [self.sample_row(c) for c in sched.chunks])
-            logits = self._decode_logits_graphed(sched)
+                start = self.record_history(chunk)
+                self._advance(chunk, start)
+                positions.append(start)
+            handle.request_ids = [c.request_id for c in sched.chunks]
+            handle.rows = [self.sample_row(c) for c in sched.chunks]
+            logits = self._decode_logits_graphed(sched, positions)
         else:
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
             if not batch.sample_index:
-                return result
+                return handle
+            handle.request_ids, handle.rows = batch.sample_request_ids, batch.sample_rows
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
-        # Tensor parallelism: every rank samples, but only rank 0's tokens are used (they reach the
-        # other ranks in the next SchedulerOutput); no device state depends on them.
-        out = sample(logits, batch.sample_rows)
-        token_ids = out.token_ids.tolist()
-        for i, rid in enumerate(batch.sample_request_ids):
-            result.sampled[rid] = [token_ids[i]]
+        out = sample(logits, handle.rows)
+        # Tensor parallelism: every rank takes rank 0's tokens (they feed the next step on the device).
+        token_ids = self.tp.broadcast_(out.token_ids.contiguous())
+        slots = torch.tensor([self.plain_state.slot(r) for r in handle.request_ids], device=self.device)
+        self.plain_state.last_token[slots] = token_ids
+        outputs = {"token_ids": token_ids}
         if out.logprobs is not None:
-            self.collect_logprobs(out, batch.sample_request_ids, batch.sample_rows, token_ids, result)
+            outputs.update(logprob=out.logprobs, top_ids=out.top_logprob_ids, top_vals=out.top_logprobs)
+        pin = self.device.type == "cuda"
+        for name, t in outputs.items():
+            if t is None:
+                continue
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t, non_blocking=pin)
+            handle.host[name] = host
+            handle.keep_alive.append(t)
+        if pin:
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
+        return handle
+
+    def _collect_plain(self, handle: PlainStepHandle) -> StepResult:
+        result = StepResult()
+        if not handle.request_ids:
+            return result
+        if handle.ready is not None:
+            handle.ready.synchronize()
+        host = handle.host
+        token_ids = host["token_ids"].tolist()
+        for i, rid in enumerate(handle.request_ids):
+            result.sampled[rid] = [token_ids[i]]
+        if "logprob" in host:
+            out = SamplerOutput(host["token_ids"], host["logprob"], host.get("top_ids"), host.get("top_vals"))
+            self.collect_logprobs(out, handle.request_ids, handle.rows, token_ids, result)
+        handle.keep_alive.clear()
         return result
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         metadata = self.backend.plan(batch.attention, self.device)
         ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        if batch.future_rows:  # input tokens sampled by the step in flight: still on the device
+            rows = torch.tensor(batch.future_rows, device=self.device)
+            input_ids[rows] = self.plain_state.last_token[torch.tensor(batch.future_slots, device=self.device)]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden, _ = self.model(input_ids, positions, ctx)
         return hidden

@@ -118,6 +118,12 @@ class Scheduler:
                 if not self._can_schedule_future(req, pending):
                     i += 1  # its sampled tokens have not come back through update() yet
                     continue
+                if not self._allocate(req, 1, in_flight=len(pending)):
+                    # Scheduling ahead reserves a worst case; when those pages are not free the
+                    # request waits one step for its results instead of retracting others (or,
+                    # near the pool's size, itself, over and over).
+                    i += 1
+                    continue
                 future = True
                 n = 1
             else:
