@@ -263,4 +263,10 @@ def _with_logprobs(token_ids: torch.Tensor, logits: torch.Tensor, rows: Sequence
 
 
 def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=dtype, device=device)
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    # Pinned and asynchronous: a copy from pageable memory waits for the stream to drain, which under
+    # the overlap scheduler means waiting for the step still in flight. (PyTorch's pinned-memory
+    # allocator keeps the buffer until the copy has run.)
+    return host.pin_memory().to(device, non_blocking=True)

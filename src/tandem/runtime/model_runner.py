@@ -151,8 +151,9 @@ class ModelRunner:
                 and all(c.sample and (c.is_future or len(c.token_ids) == 1 and c.start_pos > 0)
                         for c in sched.chunks))
 
-    def _decode_logits_graphed(self, sched: SchedulerOutput, positions: list[int]) -> torch.Tensor:
-        """Decode logits [B, V] of a batch of one-token rows, from the captured graph."""
+    def _decode_logits_graphed(self, sched: SchedulerOutput, positions: list[int]):
+        """Decode logits [B, V] of a batch of one-token rows, from the captured graph, and the rows'
+        state slots [B] (on the device)."""
         b = len(sched.chunks)
         if self._staging_in_use is not None:
             # Pinned staging is reused every step: the previous step's copy out of it must be done.
@@ -171,7 +172,7 @@ class ModelRunner:
             self._staging_in_use = torch.cuda.Event()
             self._staging_in_use.record()
         (logits,) = self.decode_graph(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4:])
-        return logits
+        return logits, rows[:, 2]
 
     def _draft_feature_size(self, draft) -> int | None:
         if draft.target_hidden == "final":
@@ -317,7 +318,7 @@ class ModelRunner:
                 positions.append(start)
             handle.request_ids = [c.request_id for c in sched.chunks]
             handle.rows = [self.sample_row(c) for c in sched.chunks]
-            logits = self._decode_logits_graphed(sched, positions)
+            logits, slots = self._decode_logits_graphed(sched, positions)
         else:
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
@@ -325,10 +326,10 @@ class ModelRunner:
                 return handle
             handle.request_ids, handle.rows = batch.sample_request_ids, batch.sample_rows
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
+            slots = self._upload([self.plain_state.slot(r) for r in handle.request_ids], handle)
         out = sample(logits, handle.rows)
         # Tensor parallelism: every rank takes rank 0's tokens (they feed the next step on the device).
         token_ids = self.tp.broadcast_(out.token_ids.contiguous())
-        slots = torch.tensor([self.plain_state.slot(r) for r in handle.request_ids], device=self.device)
         self.plain_state.last_token[slots] = token_ids
         outputs = {"token_ids": token_ids}
         if out.logprobs is not None:
@@ -345,6 +346,13 @@ class ModelRunner:
             handle.ready = torch.cuda.Event()
             handle.ready.record()
         return handle
+
+    def _upload(self, values: list[int], handle: PlainStepHandle) -> torch.Tensor:
+        """A small index tensor on the device without a host sync: `torch.tensor(..., device=cuda)`
+        copies from pageable memory, which waits for the stream (the step in flight) to drain."""
+        host = torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        handle.keep_alive.append(host)  # the asynchronous copy reads it (belt and braces)
+        return host.to(self.device, non_blocking=True)
 
     def _collect_plain(self, handle: PlainStepHandle) -> StepResult:
         result = StepResult()
