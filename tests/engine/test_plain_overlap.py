@@ -94,3 +94,22 @@ def test_small_pool_with_overlap_finishes(ckpt):
     out = finished[0]
     assert out.finish_reason == "length"
     assert out.token_ids == hf_greedy(ckpt[1], PROMPTS[0], len(out.token_ids))
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_penalised_request_advances_every_step(ckpt, disable_overlap):
+    """Penalties need the real history on the host, so such a request is never scheduled ahead; the
+    engine then processes the step in flight before scheduling, instead of leaving it a step behind."""
+    engine = cpu_engine(ckpt[0], max_total_tokens=2048, disable_overlap_schedule=disable_overlap)
+    n = 12
+    penalised = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                              repetition_penalty=1.3, ignore_eos=True))
+    engine.add_request(PROMPTS[2], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    steps, done = 0, {}
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step().finished:
+            done[out.request_id] = (steps, out)
+    finished_at, out = done[penalised]
+    assert finished_at <= n + 2, f"{n} tokens took {finished_at} steps"
+    assert out.token_ids == hf_greedy(ckpt[1], PROMPTS[1], n, repetition_penalty=1.3)

@@ -141,6 +141,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
                                    num_lookahead_tokens=lookahead, async_decode=self.overlap)
         self._inflight = None  # the launched step whose results are not processed yet
+        self._inflight_needs_host = False  # it has penalised requests: process it before scheduling
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -202,13 +203,29 @@ class Engine:
     def step(self) -> StepOutput:
         """One engine iteration: the new tokens of every request that got some, and the requests
         that finished in it (complete outputs)."""
+        if self._inflight is not None and self._inflight_needs_host:
+            # Requests with penalties are never scheduled ahead (they need their tokens on the host):
+            # process the step in flight first, so they advance every step instead of every other.
+            handle, self._inflight = self._inflight, None
+            out = self._process(handle)
+            self._launch_next()
+            return out
+        handle = self._launch_next()
+        return StepOutput() if handle is None else self._process(handle)
+
+    def _launch_next(self):
+        """Schedules and launches a step; returns the step to process now (with overlap: the one
+        launched before, which ran while this one was scheduled)."""
         sched = self.scheduler.schedule()
         handle = self.runner.launch(sched)
         if self.overlap:
             # Launch N, then process N-1 while N runs; the next call schedules N+1.
+            self._inflight_needs_host = any(c.sample and c.sampling_params.needs_penalties for c in sched.chunks)
             handle, self._inflight = self._inflight, handle
-        if handle is None:
-            return StepOutput()
+        return handle
+
+    def _process(self, handle) -> StepOutput:
+        """Applies one finished step's results: scheduler update, stop strings, logprobs, outputs."""
         result = self.runner.collect(handle)
         update = self.scheduler.update(result.sampled, handle.iteration)
         finished = list(update.finished)
