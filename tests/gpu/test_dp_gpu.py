@@ -80,8 +80,10 @@ def test_dp2_delay_injection_keeps_greedy_output(tmp_path):
     target, head = models(str(tmp_path))
     plain = dict(model_path=target, device="cuda", dtype="float32", page_size=4, max_total_tokens=32768,
                  max_running_requests=16)
+    # Eager: with CUDA graphs a greedy iteration runs on one stream and has no cross-stream edge.
     spec = dict(plain, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
+                speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4,
+                disable_cuda_graph=True)
     delay = {"TANDEM_STREAM_DELAY_CYCLES": DELAY}
     args = [(plain, spec, prompts(10, seed=21 + 2 * r) + prompts(6, seed=22 + 2 * r), delay) for r in range(2)]
     res = run_replicas(delay_injection_replica, 2, 1, args)

@@ -12,6 +12,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DELAY = "20000000"  # ~10 ms of spinning before each cross-stream write
+# These tests are about the eager pipeline's stream edges; with CUDA graphs a greedy iteration runs
+# on one stream (test_cuda_graph_gpu.py covers that path and the phase graphs' edges).
+EAGER = ("--no-graph",)
 
 
 def run(tmp_root, *flags, env=None):
@@ -34,20 +37,20 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(root):
-    return outputs(root, "--plain")
+    return outputs(root, *EAGER, "--plain")
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_four_combinations_equal_plain_greedy(root, reference, tree):
     extra = ["--tree"] if tree else []
     for flags in ([], ["--no-plan"], ["--no-overlap"], ["--no-overlap", "--no-plan"]):
-        assert outputs(root, *flags, *extra) == reference, f"flags {flags + extra}"
+        assert outputs(root, *EAGER, *flags, *extra) == reference, f"flags {flags + extra}"
 
 
 def test_delay_injection_keeps_greedy_output(root, reference):
     env = {"TANDEM_STREAM_DELAY_CYCLES": DELAY}
-    assert outputs(root, env=env) == reference
-    assert outputs(root, "--tree", env=env) == reference
+    assert outputs(root, *EAGER, env=env) == reference
+    assert outputs(root, *EAGER, "--tree", env=env) == reference
 
 
 # edge removed -> the producer's write that the consumer then reads too early
@@ -62,14 +65,14 @@ def test_delay_injection_without_a_wait_changes_output(root, reference, edge):
     # Long enough (~100 ms) that the producer is still spinning when the host, which is itself
     # slow to launch eager kernels, has queued the consumer.
     env = {"TANDEM_STREAM_DELAY_CYCLES": "200000000", "TANDEM_STREAM_DELAY_BUFFERS": NEGATIVE[edge]}
-    assert outputs(root, "--self-draft", env=env) == reference  # the same delays with every wait kept
-    proc = run(root, "--drop", edge, "--self-draft", env=env)
+    assert outputs(root, *EAGER, "--self-draft", env=env) == reference  # the same delays with every wait kept
+    proc = run(root, *EAGER, "--drop", edge, "--self-draft", env=env)
     if proc.returncode == 0:
         assert json.loads(proc.stdout.strip().splitlines()[-1]) != reference, "the missing wait went unseen"
 
 
 def test_cuda_sanitizer_reports_nothing(root, reference):
-    proc = run(root, "--tree", env={"TORCH_CUDA_SANITIZER": "1"})
+    proc = run(root, *EAGER, "--tree", env={"TORCH_CUDA_SANITIZER": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "CSAN" not in proc.stderr and "data race" not in proc.stderr.lower()
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == reference
