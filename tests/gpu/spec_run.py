@@ -18,8 +18,9 @@ from tests.spec.draft_checkpoints import write_eagle3_head
 
 
 def models(root: str) -> tuple[str, str]:
+    """The tiny llama3 target (4 query heads, 2 KV heads: one per rank at TP=2) and its EAGLE-3 head."""
     target, head = os.path.join(root, "target"), os.path.join(root, "eagle3")
-    if not os.path.isfile(os.path.join(target, "config.json")):
+    if not os.path.isfile(os.path.join(head, "config.json")):  # the head is written last
         make_checkpoint("llama3", target, seed=0)
         write_eagle3_head(head, json.load(open(os.path.join(target, "config.json"))), seed=2)
     return target, head
@@ -52,8 +53,16 @@ def main(argv=None):
     faults = FaultInjection(drop=frozenset([ns.drop] if ns.drop else []))
     engine = Engine(target, _runner_hooks={"stream_faults": faults}, **kwargs)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
+    outs = staggered_run(engine, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    json.dump([o.token_ids for o in outs], sys.stdout)
+
+
+def staggered_run(engine, params) -> list:
+    """The GPU tests' workload: 16 prompts, 8 of them one step late, so prefill and decode/verify rows
+    share iterations. Returns the outputs in prompt order."""
     ids = prompts(10, seed=21) + prompts(6, seed=22)
-    # Staggered arrivals: prefill and verify rows share iterations.
     rids = [engine.add_request(p, params) for p in ids[:8]]
     engine.step()
     rids += [engine.add_request(p, params) for p in ids[8:]]
@@ -61,9 +70,7 @@ def main(argv=None):
     while engine.has_unfinished():
         for out in engine.step().finished:
             done[out.request_id] = out
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    json.dump([done[r].token_ids for r in rids], sys.stdout)
+    return [done[r] for r in rids]
 
 
 if __name__ == "__main__":

@@ -31,26 +31,14 @@ import time
 import torch
 
 from tandem import Engine, SamplingParams
+from tests.gpu.spec_run import models, staggered_run
+from tests.spec.conftest import CHAIN, TREE
 
 SHUTDOWN_TIMEOUT_S = 20.0  # a healthy shutdown takes well under a second
-CHAIN = dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
-TREE = dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8)
 
 
 def device() -> str:
     return os.environ.get("TP_RUN_DEVICE", "cuda")
-
-
-def models(root: str) -> tuple[str, str]:
-    """The tiny llama3 target (4 query heads, 2 KV heads: one per rank at TP=2) and its EAGLE-3 head."""
-    from tests.models.tiny_checkpoints import make_checkpoint
-    from tests.spec.draft_checkpoints import write_eagle3_head
-
-    target, head = os.path.join(root, "target"), os.path.join(root, "eagle3")
-    if not os.path.isfile(os.path.join(head, "config.json")):  # the head is written last
-        make_checkpoint("llama3", target, seed=0)
-        write_eagle3_head(head, json.load(open(os.path.join(target, "config.json"))), seed=2)
-    return target, head
 
 
 def sync() -> None:
@@ -60,8 +48,6 @@ def sync() -> None:
 
 # ---- greedy outputs of the tiny models ------------------------------------------------------------
 def generate(ns) -> tuple[Engine, dict]:
-    from tests.models.tiny_checkpoints import prompts
-
     target, head = models(ns.root)
     kwargs = dict(device=device(), dtype=ns.dtype, tp_size=ns.tp, page_size=4, max_total_tokens=32768,
                   max_running_requests=16, disable_cuda_graph=ns.no_graph,
@@ -73,17 +59,8 @@ def generate(ns) -> tuple[Engine, dict]:
                       disable_overlap_schedule=ns.no_overlap)
     engine = Engine(target, **kwargs)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=ns.logprobs)
-    ids = prompts(10, seed=21) + prompts(6, seed=22)
-    # Staggered arrivals: prefill and decode/verify rows share iterations.
-    rids = [engine.add_request(p, params) for p in ids[:8]]
-    engine.step()
-    rids += [engine.add_request(p, params) for p in ids[8:]]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step().finished:
-            done[out.request_id] = out
+    outs = staggered_run(engine, params)
     sync()
-    outs = [done[r] for r in rids]
     logprobs = None
     if ns.logprobs is not None:
         logprobs = [[[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.logprobs] for o in outs]

@@ -10,30 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.sampler import SampleRow
+from tandem.runtime.state_rows import StateRows
 
 
-class PlainStatePool:
+class PlainStatePool(StateRows):
     def __init__(self, max_requests: int, device: torch.device):
+        super().__init__(max_requests, "plain decoding")
         self.last_token = torch.zeros(max_requests, dtype=torch.long, device=device)
-        # The last row belongs to no request: padded rows of a CUDA-graph batch read it.
-        self.pad_slot = max_requests - 1
-        self._free = list(range(max_requests - 2, -1, -1))
-        self.slot_of: dict[str, int] = {}
-
-    def slot(self, request_id: str) -> int:
-        slot = self.slot_of.get(request_id)
-        if slot is None:
-            if not self._free:
-                raise RuntimeError("plain decoding state pool is full")
-            slot = self.slot_of[request_id] = self._free.pop()
-        return slot
-
-    def release(self, request_ids) -> None:
-        # Reusable at once: every read and write of these rows is on one stream, in order.
-        for rid in request_ids:
-            slot = self.slot_of.pop(rid, None)
-            if slot is not None:
-                self._free.append(slot)
 
 
 @dataclass

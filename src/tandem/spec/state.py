@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from tandem.runtime.state_rows import StateRows
 
-class SpecStatePool:
+
+class SpecStatePool(StateRows):
     def __init__(self, max_requests: int, max_pages_per_request: int, topk: int, draft_hidden: int,
                  feature_size: int | None, dtype: torch.dtype, device: torch.device):
+        super().__init__(max_requests, "speculative")
         self.max_requests = max_requests
         z = dict(device=device)
         self.verified_id = torch.zeros(max_requests, dtype=torch.long, **z)  # last token; no target KV yet
@@ -29,26 +32,3 @@ class SpecStatePool:
         pin = device.type == "cuda"
         self.staging_slots = torch.zeros(max_requests, dtype=torch.long, pin_memory=pin)
         self.staging_pages = torch.zeros(max_requests, max_pages_per_request, dtype=torch.long, pin_memory=pin)
-        # The last row belongs to no request: padded rows of a CUDA-graph batch read and write it.
-        self.pad_slot = max_requests - 1
-        self._free = list(range(max_requests - 2, -1, -1))
-        self.slot_of: dict[str, int] = {}
-
-    def slot(self, request_id: str) -> int:
-        slot = self.slot_of.get(request_id)
-        if slot is None:
-            if not self._free:
-                raise RuntimeError("speculative state pool is full")
-            slot = self.slot_of[request_id] = self._free.pop()
-        return slot
-
-    def release(self, request_ids) -> None:
-        # Safe to reuse at once: every write to these rows happens on the main stream, in order, so a
-        # step still in flight for the old owner finishes before the new owner's first write.
-        for rid in request_ids:
-            slot = self.slot_of.pop(rid, None)
-            if slot is not None:
-                self._free.append(slot)
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self.slot_of
