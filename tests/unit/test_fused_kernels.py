@@ -66,6 +66,24 @@ def test_rotary_in_place_on_strided_views(dtype, head_dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
+def test_rotary_with_broadcast_positions():
+    """Tree drafting gives every frontier node of a request the same position: one value expanded
+    (stride 0). The kernel must read position i at its stride, not at i (it read past the tensor)."""
+    gen = torch.Generator().manual_seed(7)
+    head_dim, heads, kv_heads, k = 64, 2, 1, 4
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
+    q = torch.randn(k, heads, head_dim, generator=gen).to(DEVICE)
+    kk = torch.randn(k, kv_heads, head_dim, generator=gen).to(DEVICE)
+    base = torch.tensor([300], device=DEVICE)
+    positions = base[:, None].expand(1, k).reshape(-1)  # as plan.draft_step_metadata builds them
+    assert positions.stride(0) == 0
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(kk, cos, sin)
+    fused_kernels.rotary_(positions, q, kk, rope.cos, rope.sin)
+    torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kk, want_k, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [48, 1500])
 def test_silu_mul(dtype, inter):

@@ -39,6 +39,7 @@ def _rms_norm_kernel(X, Residual, Weight, Out, ResidualOut, stride_x, stride_r, 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [N, H] -> weight * norm(x), or with `residual`: (weight * norm(x + residual), x + residual)."""
     n, h = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1), "rows must be contiguous"
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     if n:
@@ -51,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos,
+def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_pos, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos,
                    num_q_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -61,7 +62,7 @@ def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_qn, stride_qh, stride_kn, s
         base = K + tok * stride_kn + (head - num_q_heads) * stride_kh
     cols = tl.arange(0, BLOCK)
     ok = cols < HALF
-    pos = tl.load(Positions + tok).to(tl.int64)
+    pos = tl.load(Positions + tok * stride_pos).to(tl.int64)
     x1 = tl.load(base + cols, mask=ok, other=0.0)
     x2 = tl.load(base + HALF + cols, mask=ok, other=0.0)
     dt = x1.dtype
@@ -76,12 +77,14 @@ def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_qn, stride_qh, stride_kn, s
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotates q [N, Hq, D] and k [N, Hk, D] in place (rotate-half layout); cos/sin [P, D/2] float32."""
+    """Rotates q [N, Hq, D] and k [N, Hk, D] in place (rotate-half layout); cos/sin [P, D/2] float32.
+    positions [N] may be strided, even broadcast (stride 0: tree drafting's frontier nodes share one)."""
     n, hq, d = q.shape
     hk = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and positions.shape == (n,)
     if n:
-        _rotary_kernel[(n, hq + hk)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        _rotary_kernel[(n, hq + hk)](q, k, positions, cos, sin, positions.stride(0), q.stride(0), q.stride(1),
+                                     k.stride(0), k.stride(1),
                                      cos.stride(0), hq, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2),
                                      num_warps=1)
     return q, k
@@ -102,6 +105,7 @@ def _silu_mul_kernel(GateUp, Out, stride_in, stride_out, n_cols, BLOCK: tl.const
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2I] (gate first) -> SiLU(gate) * up, [N, I]."""
     n, two_i = gate_up.shape
+    assert gate_up.stride(1) == 1, "rows must be contiguous"
     i = two_i // 2
     out = torch.empty((n, i), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024

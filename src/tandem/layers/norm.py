@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused on a GPU."""
-        if x.dim() == 2 and use_fused(x):
+        if x.dim() == 2 and use_fused(x) and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
             return kernels().rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if use_fused(gate_up):
+        if use_fused(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(kernels().silu_mul(gate_up))  # gate and up halves, as stored
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,120 @@
+"""Where the time to first token goes, speculation on and off, for one preset shape at batch 1.
+
+For each mode it builds the engine as `tandem bench` does (random weights, synthetic acceptance for
+speculation), warms up, then runs single requests and records, for the steps up to the first token:
+the wall time of each `engine.step()` (host), and under the torch profiler the GPU kernels that ran
+(busy time, top kernels). The JSON says how much of the TTFT is GPU work and how much the host.
+
+python bench/ttft_profile.py --preset llama-3.1-8b --out bench/results/ttft_h200.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from tandem import Engine, SamplingParams  # noqa: E402
+from tandem.bench import synthetic  # noqa: E402
+from tandem.bench.measure import random_prompts  # noqa: E402
+from tandem.bench.run import BenchConfig, resolve_engine_kwargs  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def steps_to_first_token(engine, prompt, output_len):
+    """[(step wall ms, produced the first token?)] for one request, then runs it to the end."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    engine.add_request(prompt, params)
+    walls, first_ms = [], None
+    while first_ms is None:
+        s = time.perf_counter()
+        out = engine.step()
+        now = time.perf_counter()
+        walls.append(round(1e3 * (now - s), 3))
+        if any(d.new_token_ids for d in out.deltas):
+            first_ms = 1e3 * (now - t0)
+    while engine.has_unfinished():
+        engine.step()
+    return walls, first_ms
+
+
+def kernel_table(prof, top):
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if dev > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((e.key[:70], e.count, dev / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    busy = sum(r[2] for r in rows)
+    return busy, [{"kernel": k, "count": c, "ms": round(ms, 3)} for k, c, ms in rows[:top]]
+
+
+def profile_mode(kw, synthetic_p, input_len, output_len, top):
+    engine = Engine(**kw)
+    prompts = random_prompts(6, input_len, engine.arch.vocab_size, seed=3)
+    if synthetic_p is not None:
+        synthetic.install(engine, synthetic_p, seed=0)
+    try:
+        for p in prompts[:2]:  # warm-up: allocator, kernel selection
+            steps_to_first_token(engine, p, output_len)
+        runs = [steps_to_first_token(engine, p, output_len) for p in prompts[2:5]]
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            walls, first_ms = steps_to_first_token(engine, prompts[5], 2)
+        busy, kernels = kernel_table(prof, top)
+        return {"ttft_ms": [round(r[1], 3) for r in runs], "step_wall_ms": [r[0] for r in runs],
+                "profiled_ttft_ms": round(first_ms, 3), "profiled_step_wall_ms": walls,
+                "gpu_busy_ms_to_first_token_and_one_more": round(busy, 3), "top_kernels": kernels}
+    finally:
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--synthetic-acceptance", type=float, default=0.81)
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    cfg = BenchConfig(engine_kwargs={"device": ns.device, "attention_backend": ns.attention_backend},
+                      batch_sizes=(1,), preset=ns.preset, input_len=ns.input_len, output_len=ns.output_len,
+                      synthetic_acceptance=ns.synthetic_acceptance)
+    result = {"tool": "bench/ttft_profile.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "preset": ns.preset, "input_len": ns.input_len,
+              "label": synthetic.LABEL, "modes": {}}
+    with tempfile.TemporaryDirectory() as d:
+        spec_kw = resolve_engine_kwargs(cfg, d)
+        plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
+        for mode, kw, p in (("spec_on", spec_kw, ns.synthetic_acceptance), ("spec_off", plain_kw, None)):
+            for overlap in (True, False):
+                name = f"{mode}{'' if overlap else '_no_overlap'}"
+                r = profile_mode(dict(kw, disable_overlap_schedule=not overlap), p, ns.input_len, ns.output_len, ns.top)
+                result["modes"][name] = r
+                print(f"== {name}: ttft {r['ttft_ms']} ms, steps {r['step_wall_ms'][-1]} ms, "
+                      f"GPU busy {r['gpu_busy_ms_to_first_token_and_one_more']} ms")
+                for k in r["top_kernels"]:
+                    print(f"   {k['ms']:8.3f} ms {k['count']:5d}x  {k['kernel']}")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
