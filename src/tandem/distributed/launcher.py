@@ -208,13 +208,17 @@ class TensorParallelRunner:
                 self.tp.control_barrier()
             except Exception:  # a rank died meanwhile: it is ended below either way
                 pass
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            # NCCL's teardown waits for every rank's: take ours down while the workers take down theirs
+            # (waiting for them to exit first left them blocked in theirs until they were killed).
+            _destroy_process_group(timeout_s)
         for p in self.workers:
             p.join(timeout_s)
             if p.is_alive():
                 logger.warning("tensor-parallel rank process %d did not exit; killing it", p.pid)
                 p.kill()
                 p.join()
-        if dist.is_initialized():
+        if dist.is_initialized():  # gloo: after the workers have gone (its teardown races theirs)
             _destroy_process_group(timeout_s)
 
 

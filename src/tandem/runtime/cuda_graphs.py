@@ -22,6 +22,7 @@ memory pool of its own, because one phase's outputs are still needed while the n
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -117,9 +118,19 @@ def capture_all(functions: Sequence[GraphedFunction], batch_sizes: Sequence[int]
     start = time.perf_counter()
     stream = torch.cuda.Stream(device)
     jobs = [(f, bs) for bs in sorted(batch_sizes, reverse=True) for f in functions]
-    with torch.inference_mode():
-        for f, bs in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", leave=False):
-            f.capture(bs, stream)
+    # No garbage collection during the captures: finalising an earlier engine's objects there (freeing
+    # CUDA events or memory) is a CUDA call the capture forbids, and it invalidates the capture. Seen
+    # on an H200 when a test process built a speculative engine after others (2026-11-29).
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            for f, bs in tqdm(jobs, desc="capturing CUDA graphs", unit="graph", leave=False):
+                f.capture(bs, stream)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     torch.cuda.synchronize(device)
     used = torch.cuda.memory_reserved(device) - before
     logger.info("captured %d CUDA graphs (%s; batch sizes %s) in %.1f s, using %.0f MiB of GPU memory",
