@@ -86,3 +86,24 @@ def test_each_rank_loads_its_slice_with_kv_replication(tp_models):
         emb = params["model.embed_tokens.weight"]
         assert torch.equal(emb, ckpt["model.embed_tokens.weight"][rank * 160:(rank + 1) * 160])
         assert torch.equal(params["model.norm.weight"], ckpt["model.norm.weight"])  # replicated
+
+
+def test_eagle3_draft_layer_is_split_like_the_target(tp_models):
+    """The EAGLE-3 head's decoder layer is sharded (measured faster than replicating it on two
+    H200s); fc and its lm_head stay whole. Rank 0's slices are the checkpoint's first halves."""
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=tp_models["EAGLE3"],
+                speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    ckpt = load_file(os.path.join(tp_models["EAGLE3"], "model.safetensors"))
+    o_proj = next(v for k, v in ckpt.items() if k.endswith("self_attn.o_proj.weight"))
+    down = next(v for k, v in ckpt.items() if k.endswith("mlp.down_proj.weight"))
+    fc = next(v for k, v in ckpt.items() if k.endswith("fc.weight"))
+    with Engine(tp_models["llama3"], tp_size=2, **ENGINE, **spec) as engine:
+        draft = engine.runner.spec.drafter.model
+        layer = draft.midlayer
+        assert (layer.self_attn.num_heads, layer.self_attn.num_kv_heads) == (2, 1)
+        assert layer.self_attn.qkv_proj.weight.shape == (4 * 16, 2 * 64)  # input: embedding and hidden
+        assert torch.equal(layer.self_attn.o_proj.weight, o_proj[:, : o_proj.shape[1] // 2])
+        assert torch.equal(layer.mlp.down_proj.weight, down[:, : down.shape[1] // 2])
+        assert torch.equal(draft.fc.weight, fc)  # whole
+        assert draft.lm_head.weight.shape[0] == draft.draft_vocab_size
+        assert engine.runner.spec.drafter.kv_cache.k[0].shape[1] == 1  # the draft's KV head on this rank

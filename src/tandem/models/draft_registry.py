@@ -8,6 +8,7 @@ import os
 import torch
 
 from tandem.config import ModelLoadConfig
+from tandem.distributed.parallel_state import TPGroup
 from tandem.models import llama
 from tandem.models.draft_base import DraftModel
 from tandem.models.eagle import EagleDraft
@@ -29,7 +30,11 @@ def _head_config(path: str):
     return parse_model_config({**raw, "architectures": ["LlamaForCausalLM"]})
 
 
-def build_draft_model(algorithm: str, path: str, target, load: ModelLoadConfig, max_positions: int) -> DraftModel:
+def build_draft_model(algorithm: str, path: str, target, load: ModelLoadConfig, max_positions: int,
+                      tp: TPGroup | None = None) -> DraftModel:
+    """`tp`: EAGLE and EAGLE-3 heads split their decoder layer over the tensor-parallel ranks like the
+    target (measured faster than replicating it: docs/performance.md); standalone and MTP drafts are
+    replicated on every rank."""
     dtype = target.model.embed_tokens.weight.dtype
     if algorithm == "STANDALONE":
         arch = load_model_config(path)
@@ -45,11 +50,11 @@ def build_draft_model(algorithm: str, path: str, target, load: ModelLoadConfig, 
     cfg = _head_config(path)
     with torch.device(load.device), default_dtype(dtype):
         if algorithm == "EAGLE":
-            model = EagleDraft(cfg, target, max_positions)
+            model = EagleDraft(cfg, target, max_positions, tp)
             skip = frozenset({"embed_tokens.weight"})  # the target's embedding is used
         elif algorithm == "EAGLE3":
             aux = eagle3_aux_layer_ids(cfg.raw, target.config.num_layers)
-            model = Eagle3Draft(cfg, target, max_positions, aux)
+            model = Eagle3Draft(cfg, target, max_positions, aux, tp)
             skip = frozenset({"embed_tokens.weight", "t2d"})  # t2d is the inverse map, unused here
         else:
             raise ValueError(f"unknown draft algorithm {algorithm!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.distributed.parallel_state import TPGroup
 from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -19,10 +20,10 @@ from tandem.models.llama import LlamaAttention, LlamaMLP
 
 
 class EagleDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, 0, rotary)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.self_attn = LlamaAttention(cfg, 0, rotary, tp=tp)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, ctx):
@@ -34,12 +35,13 @@ class EagleDraft(DraftModel):
     token_offset = 1
     target_hidden = "final"
 
-    def __init__(self, cfg: ModelArchConfig, target, max_positions: int):
+    def __init__(self, cfg: ModelArchConfig, target, max_positions: int, tp: TPGroup | None = None):
+        """`tp`: split the decoder layer like the target's (fc stays whole on every rank)."""
         super().__init__()
         h = cfg.hidden_size
         self.fc = Linear(2 * h, h, bias=bool(cfg.raw.get("bias", True)))
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList([EagleDecoderLayer(cfg, rotary)])
+        self.layers = nn.ModuleList([EagleDecoderLayer(cfg, rotary, tp)])
         # Shared with the target, not owned: plain callables so they are not registered as submodules.
         self._embed = target.embed
         self._logits = target.compute_logits

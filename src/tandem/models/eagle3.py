@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.distributed.parallel_state import TPGroup
 from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -30,11 +31,11 @@ def eagle3_aux_layer_ids(draft_raw_config: dict, num_target_layers: int) -> tupl
 
 
 class Eagle3MidLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None):
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = LlamaAttention(cfg, 0, rotary, in_features=2 * h)
-        self.mlp = LlamaMLP(h, cfg.intermediate_size, cfg.mlp_bias)
+        self.self_attn = LlamaAttention(cfg, 0, rotary, in_features=2 * h, tp=tp)
+        self.mlp = LlamaMLP(h, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -49,7 +50,10 @@ class Eagle3Draft(DraftModel):
     token_offset = 1
     target_hidden = "aux"
 
-    def __init__(self, cfg: ModelArchConfig, target, max_positions: int, aux_layer_ids: tuple[int, ...]):
+    def __init__(self, cfg: ModelArchConfig, target, max_positions: int, aux_layer_ids: tuple[int, ...],
+                 tp: TPGroup | None = None):
+        """`tp`: split the decoder layer like the target's; fc and the (small) lm_head stay whole on
+        every rank, so the draft's logits need no gather."""
         super().__init__()
         h = cfg.hidden_size
         target_h = int(cfg.raw.get("target_hidden_size") or target.config.hidden_size)
@@ -57,7 +61,7 @@ class Eagle3Draft(DraftModel):
         self.draft_vocab_size = int(cfg.raw.get("draft_vocab_size") or cfg.vocab_size)
         self.fc = Linear(len(aux_layer_ids) * target_h, h, bias=False)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.midlayer = Eagle3MidLayer(cfg, rotary)
+        self.midlayer = Eagle3MidLayer(cfg, rotary, tp)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, self.draft_vocab_size, bias=False)
         # d2t[i] = target id - draft id; stored as a frozen integer parameter so it loads like a weight.

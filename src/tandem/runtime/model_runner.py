@@ -65,7 +65,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, max_model_len: int,
                  device_module=None, stream_faults: FaultInjection = FaultInjection(), tp: TPGroup | None = None):
         self.config = config
-        # Tensor parallelism: this rank's shard of the target; the draft is replicated on every rank.
+        # Tensor parallelism: this rank's shard of the target, and of an EAGLE/EAGLE-3 draft layer.
         self.tp = tp or TPGroup.single()
         self.num_kv_heads, _ = kv_heads_layout(arch.num_kv_heads, self.tp)
         # Tests pass a recording stand-in for the device module and faults for negative controls.
@@ -82,7 +82,8 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         draft = None
         if spec.algorithm is not None:
-            draft = build_draft_model(spec.algorithm, spec.draft_model_path, self.model, config.load, max_positions)
+            draft = build_draft_model(spec.algorithm, spec.draft_model_path, self.model, config.load, max_positions,
+                                      self.tp)
         # Every rank must have the same pages: rank 0's scheduler hands out page ids for all of them.
         self.num_pages = self.tp.all_reduce_min(config.cache.num_pages or self._pages_that_fit(draft))
         # One page past the scheduler's pool: the sink that padded rows of a CUDA-graph batch write to.
