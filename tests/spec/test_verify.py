@@ -450,3 +450,33 @@ def test_explicit_sampler_without_bug_passes():
 @pytest.mark.parametrize("bug", ["no_zeroing", "no_renormalise", "uniform_per_depth"])
 def test_check_catches_wrong_rules(bug):
     assert lossless_failures(explicit_sampler(bug)) != []
+
+
+def test_chain_shortcut_matches_the_walk():
+    """Chains (topk 1) skip the node walk: accept lengths, paths and tokens as the reference walk,
+    with token matches and with synthetic-acceptance coins."""
+    from dataclasses import replace
+
+    from tandem.spec.tree import ancestor_mask, chain_ancestor_mask, chain_tree
+
+    py = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        batch, steps, vocab = py.randint(1, 6), py.randint(1, 6), py.choice([2, 3, 5])
+        tree = chain_tree(torch.randint(0, vocab, (batch,), generator=gen),
+                          torch.randint(0, vocab, (batch, steps), generator=gen))
+        assert tree.chain
+        argmax = torch.randint(0, vocab, (batch, steps + 1), generator=gen)
+        for b in range(batch):
+            if py.random() < 0.5:
+                force_path(tree, argmax, b, py.randrange(steps + 1))
+        check_greedy(tree, argmax)  # against the pure-Python walk
+        coins = torch.rand(batch, steps + 1, generator=gen) < 0.6
+        use = torch.rand(batch, generator=gen) < 0.5
+        fast = greedy_accept(tree, argmax, coins, use)
+        walk = greedy_accept(replace(tree, chain=False), argmax, coins, use)
+        for field in ("accept_lens", "path", "out_tokens"):
+            assert torch.equal(getattr(fast, field), getattr(walk, field)), field
+        assert torch.equal(chain_ancestor_mask(batch, steps + 1, "cpu"), ancestor_mask(tree.parents))
+    assert built_tree(2, 1, 4, 5, vocab=8, gen=gen).chain  # TreeBuilder marks its topk-1 trees
+    assert not built_tree(2, 2, 3, 5, vocab=8, gen=gen).chain

@@ -22,7 +22,7 @@ from tandem.models.draft_base import DraftModel
 from tandem.models.llama import StepContext
 from tandem.spec import plan
 from tandem.spec.state import SpecStatePool
-from tandem.spec.tree import DraftTree, TreeBuilder
+from tandem.spec.tree import DraftTree, TreeBuilder, chain_tree
 
 
 @dataclass
@@ -108,6 +108,8 @@ class Drafter:
                    num_draft_tokens: int) -> DraftTree:
         """Expands a top-k tree per request with `num_steps - 1` draft forwards (main stream)."""
         pool, k = self.pool, self.topk
+        if k == 1 and num_draft_tokens == self.num_steps + 1:
+            return self._draft_chain(slots, page_rows, kv_bound)
         builder = TreeBuilder(pool.verified_id[slots], pool.topk_logp[slots], pool.topk_ids[slots])
         base = pool.draft_entries[slots]  # [B]
         b = slots.shape[0]
@@ -122,6 +124,23 @@ class Drafter:
             out = out.view(b, k, -1)
             parent_hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))
         return builder.build(num_draft_tokens)
+
+    def _draft_chain(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int) -> DraftTree:
+        """`draft_tree` for topk 1 with every drafted token kept: the same forwards and tokens, without
+        the tree builder's scoring and selection (a few dozen small kernels per iteration)."""
+        pool = self.pool
+        b = slots.shape[0]
+        base = pool.draft_entries[slots]  # [B]
+        token = pool.topk_ids[slots]  # [B, 1]: d_1, kept by the last extend
+        hidden = pool.draft_hidden[slots]  # [B, H]
+        drafts = [token[:, 0]]
+        for depth in range(1, self.num_steps):
+            paths = torch.zeros(b, 1, depth, dtype=torch.long, device=slots.device)  # the one frontier slot
+            metadata, positions = plan.draft_step_metadata(page_rows, base, paths, 1, kv_bound, self.page_size)
+            hidden = self.model(token.reshape(-1), positions, hidden, self._ctx(metadata), hidden_is_target=False)
+            _, token = self._topk(hidden)
+            drafts.append(token[:, 0])
+        return chain_tree(pool.verified_id[slots], torch.stack(drafts, dim=1))
 
     def extend(self, slots, metadata, tokens: torch.Tensor, features: torch.Tensor | None,
                accept_lens: torch.Tensor, first_pos: torch.Tensor) -> None:

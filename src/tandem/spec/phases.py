@@ -20,7 +20,7 @@ import torch
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.spec import plan
-from tandem.spec.tree import DraftTree, ancestor_mask
+from tandem.spec.tree import DraftTree, ancestor_mask, chain_ancestor_mask
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ class SpecPhases:
         self.graphs: dict[str, GraphedFunction] = {}
         self.graph_kv_width = 0  # KV window of every graphed step (0: no graphs)
         self.tree_max_depth = 0  # of a graphed draft tree (shapes of verify/extend)
+        # Every tree is a chain (top-1 drafting): the verify mask is a constant triangle.
+        self.chain = getattr(drafter, "topk", 1) == 1
 
     # ---- the phases, eager ------------------------------------------------------------------
     def verify_forward(self, tokens, parents, depths, seq_lens, node_slots, node_cols, kv_slots, prefix_mask):
@@ -41,7 +43,8 @@ class SpecPhases:
         runner = self.runner
         b, n = tokens.shape
         vplan = plan.VerifyPlan(seq_lens, node_slots, node_cols, kv_slots, prefix_mask)
-        metadata = plan.verify_metadata(vplan, ancestor_mask(parents))
+        ancestors = chain_ancestor_mask(b, n, tokens.device) if self.chain else ancestor_mask(parents)
+        metadata = plan.verify_metadata(vplan, ancestors)
         positions = (seq_lens[:, None] + depths).reshape(-1)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
         hidden, aux = runner.model(tokens.reshape(-1), positions, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
@@ -75,7 +78,7 @@ class SpecPhases:
         if not self.graphed(slots.shape[0]):
             return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_draft_tokens)
         tokens, parents, depths = self.graphs["draft_tree"](slots, page_rows)
-        return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth)
+        return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth, chain=self.chain)
 
     def verify(self, tree: DraftTree, vplan: plan.VerifyPlan):
         args = (tree.tokens, tree.parents, tree.depths, vplan.seq_lens, vplan.node_slots, vplan.node_cols,

@@ -29,6 +29,9 @@ class DraftTree:
     # A bound on `depths` known on the host, so verify's output shapes [B, max_depth + 1] need no
     # device sync. None: computed from `depths` (a sync; fine in tests, avoid in the decode loop).
     max_depth: int | None = None
+    # Known on the host: node i's parent is i - 1 in every row (topk = 1). Acceptance and the verify
+    # mask then take shortcuts of a few kernels instead of a walk over the nodes.
+    chain: bool = False
 
     def __post_init__(self) -> None:
         if self.max_depth is None:
@@ -55,6 +58,11 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     return mask
 
 
+def chain_ancestor_mask(batch: int, num_nodes: int, device) -> Tensor:
+    """`ancestor_mask` of a chain: node i sees nodes 0..i."""
+    return torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+
+
 def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
     """The tree of chain drafting (topk=1): root -> d_1 -> ... -> d_S. root_tokens: [B]; draft_tokens: [B, S]."""
     batch, steps = draft_tokens.shape
@@ -62,7 +70,7 @@ def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
     tokens = torch.cat([root_tokens[:, None], draft_tokens], dim=1).long()  # [B, S+1]
     parents = torch.arange(-1, steps, device=device).expand(batch, -1).clone()  # node i's parent is i-1
     depths = torch.arange(steps + 1, device=device).expand(batch, -1).clone()
-    return DraftTree(tokens, parents, depths, max_depth=steps)
+    return DraftTree(tokens, parents, depths, max_depth=steps, chain=True)
 
 
 class TreeBuilder:
@@ -185,6 +193,7 @@ class TreeBuilder:
             parents=torch.cat([root_col - 1, parents], dim=1),
             depths=torch.cat([root_col, depths.gather(1, picked)], dim=1),
             max_depth=min(self.depth, num_pick),
+            chain=self.topk == 1,  # one candidate per depth, each the child of the one before
         )
 
 

@@ -40,6 +40,8 @@ def greedy_accept(tree: DraftTree, target_argmax: Tensor, coins: Tensor | None =
     when its token matches (synthetic acceptance, tandem.bench.synthetic). Both rules live in one
     function so one captured CUDA graph serves either.
     """
+    if tree.chain:
+        return _greedy_accept_chain(tree, target_argmax, coins, use_coins)
     batch, num_nodes = tree.tokens.shape
     rows = torch.arange(batch, device=tree.tokens.device)
     cur = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # [B] deepest accepted node
@@ -54,6 +56,20 @@ def greedy_accept(tree: DraftTree, target_argmax: Tensor, coins: Tensor | None =
         accepted[:, c] = accept
         cur = torch.where(accept, c, cur)
     return _result(tree, accepted, bonus=target_argmax[rows, cur])
+
+
+def _greedy_accept_chain(tree: DraftTree, target_argmax: Tensor, coins: Tensor | None,
+                         use_coins: Tensor | None) -> AcceptResult:
+    """`greedy_accept` on a chain, without the walk: node c is accepted iff it and every node before it
+    matches the target's argmax at its parent (c - 1)."""
+    match = tree.tokens[:, 1:] == target_argmax[:, :-1]  # [B, N-1]
+    if coins is not None:
+        match = torch.where(use_coins[:, None], coins[:, 1:], match)
+    prefix = match.long().cumprod(dim=1).bool()  # [B, N-1]
+    root = torch.ones(prefix.shape[0], 1, dtype=torch.bool, device=prefix.device)  # always kept
+    accepted = torch.cat([root, prefix], dim=1)
+    cur = prefix.sum(dim=1)  # deepest accepted node
+    return _result(tree, accepted, bonus=target_argmax.gather(1, cur[:, None]).squeeze(1))
 
 
 def tree_rejection_sample(
