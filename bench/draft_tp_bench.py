@@ -29,26 +29,23 @@ PAGE = 16
 
 
 def build_layer(arch, tp, device, dtype):
+    """The head's real decoder layer (Eagle3MidLayer, split over `tp`) with whole fc and lm_head."""
     from tandem.layers.linear import Linear
     from tandem.layers.norm import RMSNorm
     from tandem.layers.rotary import RotaryEmbedding
-    from tandem.models.llama import LlamaAttention, LlamaMLP
+    from tandem.models.eagle3 import Eagle3MidLayer
 
     h = arch.hidden_size
     rotary = RotaryEmbedding(arch.head_dim, 4096, arch.rope_theta, arch.rope_scaling)
-    mods = torch.nn.ModuleDict(dict(
-        attn=LlamaAttention(arch, 0, rotary, in_features=2 * h, tp=tp),
-        mlp=LlamaMLP(h, arch.intermediate_size, arch.mlp_bias, tp),
-        norm_in=RMSNorm(h, arch.rms_norm_eps), norm_hidden=RMSNorm(h, arch.rms_norm_eps),
-        norm_post=RMSNorm(h, arch.rms_norm_eps), norm=RMSNorm(h, arch.rms_norm_eps),
-        fc=Linear(3 * h, h, bias=False), lm_head=Linear(h, 32000, bias=False)))
+    mods = torch.nn.ModuleDict(dict(layer=Eagle3MidLayer(arch, rotary, tp), norm=RMSNorm(h, arch.rms_norm_eps),
+                                    fc=Linear(3 * h, h, bias=False), lm_head=Linear(h, 32000, bias=False)))
     with torch.no_grad():
-        for p in mods.parameters():
-            p.normal_(0, 0.02)
         for name, p in mods.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
-    mods.attn.rotary = rotary.to(device)
+            else:
+                p.normal_(0, 0.02)
+    mods.layer.self_attn.rotary = rotary.to(device)
     return mods.to(device, dtype)
 
 
@@ -56,10 +53,7 @@ def forward(mods, ctx, positions, embeds, g, aux):
     """One draft step; with `aux` (the extend step) g comes from fc over the target's three states."""
     if aux is not None:
         g = mods.fc(aux)
-    a = mods.attn(positions, torch.cat([mods.norm_in(embeds), mods.norm_hidden(g)], dim=-1), ctx)
-    h = g + a
-    h = h + mods.mlp(mods.norm_post(h))
-    return mods.lm_head(mods.norm(h))
+    return mods.lm_head(mods.norm(mods.layer(positions, embeds, g, ctx)))
 
 
 def run_rank(rank, world, port, ns, queue):
@@ -68,7 +62,7 @@ def run_rank(rank, world, port, ns, queue):
 
     from tandem.distributed.parallel_state import TPGroup
     from tandem.layers.attention.base import AttentionBatch
-    from tandem.models.draft_registry import _head_config
+    from tandem.models.draft_registry import draft_head_config
     from tandem.models.llama import StepContext
     from tandem.bench.presets import write_preset
 
@@ -80,7 +74,7 @@ def run_rank(rank, world, port, ns, queue):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     results = {}
     with tempfile.TemporaryDirectory() as d:
-        arch = _head_config(write_preset("llama-3.1-8b", d)[1])
+        arch = draft_head_config(write_preset("llama-3.1-8b", d)[1])
     if cuda:
         from tandem.layers.attention.triton_backend import TritonAttentionBackend as Backend
     else:
@@ -93,7 +87,7 @@ def run_rank(rank, world, port, ns, queue):
         tp = TPGroup(rank, tp_size, group, None) if tp_size > 1 else TPGroup.single()
         torch.manual_seed(0)
         mods = build_layer(arch, tp, device, dtype)
-        h, kv_heads = arch.hidden_size, mods.attn.num_kv_heads
+        h, kv_heads = arch.hidden_size, mods.layer.self_attn.num_kv_heads
         for batch in ns.batches:
             for q in (1, 4):  # a tree step (one query per row) and an extend (four)
                 n = batch * q

@@ -20,7 +20,8 @@ from tandem.models.registry import build_target_model
 from tandem.models.standalone_draft import StandaloneDraft
 
 
-def _head_config(path: str):
+def draft_head_config(path: str):
+    """An EAGLE/EAGLE-3 head's config.json as a model config."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in draft model directory {path!r}")
@@ -47,7 +48,7 @@ def build_draft_model(algorithm: str, path: str, target, load: ModelLoadConfig, 
         return StandaloneDraft(build_target_model(draft_load, arch, max_positions)).eval()
     if algorithm == "MTP":  # DeepSeek-style next-n modules: their own config keys and tensor names (models/mtp.py)
         return build_mtp_draft(path, target, load, max_positions)
-    cfg = _head_config(path)
+    cfg = draft_head_config(path)
     with torch.device(load.device), default_dtype(dtype):
         if algorithm == "EAGLE":
             model = EagleDraft(cfg, target, max_positions, tp)
