@@ -189,6 +189,30 @@ def test_draft_step_metadata(splits):
     compare(lambda _: meta, num_rows * topk, 4, 1, 16, torch.float32, num_kv_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_chain_step_metadata(splits):
+    """Chain drafting's shortcut: the same keys, stores, lengths and positions as the general
+    draft-step metadata with topk 1 (so the same attention output), and triton agrees with torch."""
+    gen = torch.Generator().manual_seed(9)
+    num_rows, steps, kv_bound = 3, 4, 48
+    rows = page_rows(num_rows, (kv_bound + steps) // PAGE_SIZE + 1, gen)
+    base = torch.tensor([0, 7, 47], device=DEVICE)  # an empty prefix, a short one, a full window
+    window = spec_plan.draft_window(rows, kv_bound + steps - 1, PAGE_SIZE)
+    for depth in range(1, steps):
+        meta, pos = spec_plan.chain_step_metadata(window, base, depth)
+        paths = torch.zeros(num_rows, 1, depth, dtype=torch.long, device=DEVICE)
+        general, general_pos = spec_plan.draft_step_metadata(rows, base, paths, 1, kv_bound, PAGE_SIZE)
+        assert torch.equal(pos, general_pos) and torch.equal(meta.slot_mapping, general.slot_mapping)
+        assert torch.equal(meta.kv_lens, general.kv_lens)
+        gen_q = torch.Generator().manual_seed(depth)
+        k_cache, v_cache = make_cache(1, 16, torch.float32, gen_q)
+        q, k, v = make_qkv(num_rows, 4, 1, 16, torch.float32, gen_q)
+        outs = [TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), m, 0.25)
+                for m in (meta, general)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+        compare(lambda _: meta, num_rows, 4, 1, 16, torch.float32, seed=depth, num_kv_splits=splits)
+
+
 # ---- whole engine ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):

@@ -129,14 +129,14 @@ class Drafter:
         """`draft_tree` for topk 1 with every drafted token kept: the same forwards and tokens, without
         the tree builder's scoring and selection (a few dozen small kernels per iteration)."""
         pool = self.pool
-        b = slots.shape[0]
         base = pool.draft_entries[slots]  # [B]
         token = pool.topk_ids[slots]  # [B, 1]: d_1, kept by the last extend
         hidden = pool.draft_hidden[slots]  # [B, H]
         drafts = [token[:, 0]]
+        # A chain's keys are a plain run of positions: one slot window serves every step.
+        window = plan.draft_window(page_rows, kv_bound + self.num_steps - 1, self.page_size)
         for depth in range(1, self.num_steps):
-            paths = torch.zeros(b, 1, depth, dtype=torch.long, device=slots.device)  # the one frontier slot
-            metadata, positions = plan.draft_step_metadata(page_rows, base, paths, 1, kv_bound, self.page_size)
+            metadata, positions = plan.chain_step_metadata(window, base, depth)
             hidden = self.model(token.reshape(-1), positions, hidden, self._ctx(metadata), hidden_is_target=False)
             _, token = self._topk(hidden)
             drafts.append(token[:, 0])

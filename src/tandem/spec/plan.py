@@ -64,6 +64,32 @@ def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_
                                   kv_lens=kv_lens)
 
 
+def draft_window(page_rows, width: int, page_size: int):
+    """[B, width]: the cache slots of draft positions 0..width-1 (for `chain_step_metadata`)."""
+    b = page_rows.shape[0]
+    return page_slots(page_rows, torch.arange(width, device=page_rows.device).expand(b, -1), page_size)
+
+
+def chain_step_metadata(window, base, depth: int):
+    """`draft_step_metadata` for a chain (topk 1): the node at depth d stores its KV at position
+    base + d - 1, right after the prefix [0, base) and its d - 1 ancestors, so its keys are the plain
+    run of positions [0, base + d): a window of slots (`draft_window`, as wide as any base + depth)
+    cut by a length, with no scratch columns to splice in."""
+    b, width = window.shape
+    row_end = base + depth  # [B]
+    last = row_end - 1  # this node's position
+    cols = torch.arange(width, device=window.device)
+    metadata = TorchAttentionMetadata(
+        slot_mapping=window.gather(1, last[:, None]).reshape(-1),
+        query_index=torch.arange(b, device=window.device).view(b, 1),
+        query_valid=None,
+        kv_slots=window,
+        mask=(cols[None, :] < row_end[:, None]).view(b, 1, 1, width),
+        kv_lens=row_end.to(torch.int32),
+    )
+    return metadata, last
+
+
 def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_size: int):
     """One tree-drafting step: frontier node (b, k) at depth d sits at draft position base + d - 1,
     stores its KV in scratch position base + (d - 1) * topk + k, and sees the real draft prefix
