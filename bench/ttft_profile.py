@@ -30,7 +30,8 @@ def sync():
 
 
 def steps_to_first_token(engine, prompt, output_len):
-    """[(step wall ms, produced the first token?)] for one request, then runs it to the end."""
+    """(wall ms of each `engine.step()` up to the one that returned the first token, time to first
+    token in ms) for one request; then runs the request to its end."""
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     sync()
     t0 = time.perf_counter()
@@ -70,6 +71,7 @@ def profile_mode(kw, synthetic_p, input_len, output_len, top):
         runs = [steps_to_first_token(engine, p, output_len) for p in prompts[2:5]]
         from torch.profiler import ProfilerActivity, profile
 
+        # Two output tokens: the profile covers the first token and one decode step after it.
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             walls, first_ms = steps_to_first_token(engine, prompts[5], 2)
         busy, kernels = kernel_table(prof, top)
