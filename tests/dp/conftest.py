@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.server.helpers import ServerProcess, make_chat_checkpoint
+from tests.server.helpers import ServerProcess, make_chat_checkpoint, started_together
 
 MAX_MODEL_LEN = 4096  # long requests run for seconds
 MAX_RUNNING = 4
@@ -26,13 +26,10 @@ def _dp_servers(dp_ckpt, tmp_path_factory):
     logs = tmp_path_factory.mktemp("dp-logs")
     args = ["--model-path", dp_ckpt, "--device", "cpu", "--dtype", "float32", "--dp-size", "2",
             "--max-running-requests", str(MAX_RUNNING)]
-    servers = {"main": ServerProcess(args, logs / "main.log"),
-               "kill": ServerProcess(args, logs / "kill.log")}  # its replicas get killed
-    for s in servers.values():
-        s.start()
-    yield servers
-    for s in servers.values():
-        s.terminate()
+    # "kill": its replicas get killed
+    with started_together({"main": ServerProcess(args, logs / "main.log"),
+                           "kill": ServerProcess(args, logs / "kill.log")}) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

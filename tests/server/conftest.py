@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.server.helpers import ServerProcess, make_chat_checkpoint
+from tests.server.helpers import ServerProcess, make_chat_checkpoint, started_together
 
 API_KEY = "sk-tandem-test"
 MODEL_NAME = "tiny-chat"
@@ -37,12 +37,8 @@ def _servers(chat_ckpt, tmp_path_factory):
     spec = ServerProcess(common + ["--max-total-tokens", "65536", "--speculative-algorithm", "STANDALONE",
                                    "--speculative-draft-model-path", chat_ckpt, "--speculative-num-steps", "3",
                                    "--speculative-num-draft-tokens", "4"], logs / "spec.log")
-    servers = {"main": main, "spec": spec}
-    for s in servers.values():
-        s.start()
-    yield servers
-    for s in servers.values():
-        s.terminate()
+    with started_together({"main": main, "spec": spec}) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

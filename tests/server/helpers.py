@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -140,3 +141,16 @@ def wait_for(predicate, timeout: float = 15, interval: float = 0.1):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def started_together(servers: dict[str, ServerProcess]):
+    """Starts every server at once, so their model loads overlap (each test then waits only for
+    the one it uses), and terminates them all at the end."""
+    for s in servers.values():
+        s.start()
+    try:
+        yield servers
+    finally:
+        for s in servers.values():
+            s.terminate()
