@@ -125,9 +125,12 @@ def run_bench(cfg: BenchConfig) -> dict:
                 if mode == "spec_on" and cfg.synthetic_acceptance is not None:
                     synthetic.install(engine, cfg.synthetic_acceptance, seed=spec_kw.get("seed") or 0)
                 vocab = engine.arch.vocab_size
-                if cfg.warmup:  # first-call costs (allocator, kernel selection) stay out of the numbers
-                    run_batch(engine, random_prompts(max(cfg.batch_sizes), cfg.input_len, vocab, seed=10_007),
-                              min(cfg.output_len, 8), cfg.temperature)
+                if cfg.warmup:  # first-call costs (allocator, kernel selection) stay out of the numbers;
+                    # every batch size, because kernels specialise on their shapes (triton compiles
+                    # separate variants when an argument is 1, as a batch of one makes some of them)
+                    for b in cfg.batch_sizes:
+                        run_batch(engine, random_prompts(b, cfg.input_len, vocab, seed=10_007),
+                                  min(cfg.output_len, 8), cfg.temperature)
                 for b in cfg.batch_sizes:
                     bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
                     prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
