@@ -27,8 +27,9 @@ class EagleDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, ctx):
-        x = x + self.self_attn(positions, x, ctx)  # EAGLE drops layer 0's input norm
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # EAGLE drops layer 0's input norm; the residual add is fused into the post-attention norm.
+        normed, x = self.post_attention_layernorm(self.self_attn(positions, x, ctx), residual=x)
+        return x + self.mlp(normed)
 
 
 class EagleDraft(DraftModel):

@@ -42,8 +42,8 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, positions, embeds, g, ctx):
         a = self.self_attn(positions, torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1), ctx)
-        h = g + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm(a, residual=g)  # h = g + a, the add fused into the norm
+        return h + self.mlp(normed)
 
 
 class Eagle3Draft(DraftModel):

@@ -114,10 +114,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, ctx):
-        h = self.self_attn(positions, self.input_layernorm(x), ctx)
-        h, x = self.post_attention_layernorm(h, residual=x)  # x + attention, normalised (one kernel on a GPU)
-        return x + self.mlp(h)
+    def forward(self, positions, x, ctx, residual: torch.Tensor | None = None):
+        """Returns (out, residual); the residual stream after this layer is out + residual. The add
+        is left to the next norm, which fuses it (one kernel on a GPU instead of two): pass the
+        previous layer's pair as (x, residual), or the stream itself as x with residual None."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual=residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -156,14 +163,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final hidden states [N, H] (after the last norm) and, for each id in
         `aux_layer_ids`, the residual stream entering that layer (EAGLE-3's auxiliary states)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layer_ids:
-                captured[i] = x
-            x = layer(positions, x, ctx)
-        captured[len(self.model.layers)] = x  # "entering layer L" = the last layer's output
-        return self.model.norm(x), [captured[i] for i in aux_layer_ids]
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(positions, x, ctx, residual)
+        x, captured[len(self.model.layers)] = self.model.norm(x, residual=residual)  # "entering layer L"
+        return x, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:  # every rank gets the full-vocabulary logits (all-gather)

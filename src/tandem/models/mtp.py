@@ -62,7 +62,8 @@ class MTPLayer(LlamaDecoderLayer):
 
     def forward(self, positions, embeds, hidden, ctx):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return super().forward(positions, x, ctx)
+        out, residual = super().forward(positions, x, ctx)
+        return out + residual
 
 
 class _Layers(nn.Module):
