@@ -66,6 +66,32 @@ def test_rotary_in_place_on_strided_views(dtype, head_dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_stores_rotated_k_and_v_into_the_cache(dtype):
+    """With `store`, the kernel also writes the rotated k and the untouched v into the cache at
+    slot_mapping (the attention layer's separate KV store, fused); other slots keep their contents."""
+    gen = torch.Generator().manual_seed(11)
+    head_dim, heads, kv_heads, n, num_slots = 64, 4, 2, 5, 32
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(n, kv_heads, head_dim)
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([3, 17, 0, 31, 8], device=DEVICE)
+    positions = torch.randint(0, 512, (n,), generator=gen).to(DEVICE)
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_k_cache[slots], want_v_cache[slots] = want_k, v
+    fused_kernels.rotary_(positions, q, k, rope.cos, rope.sin, store=(v, k_cache, v_cache, slots))
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(q, want_q, **exact)
+    torch.testing.assert_close(k_cache, want_k_cache, **exact)
+    assert torch.equal(v_cache, want_v_cache)
+
+
 def test_rotary_with_broadcast_positions():
     """Tree drafting gives every frontier node of a request the same position: one value expanded
     (stride 0). The kernel must read position i at its stride, not at i (it read past the tensor)."""

@@ -52,14 +52,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_pos, stride_qn, stride_qh, stride_kn, stride_kh, stride_cos,
-                   num_q_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(Q, K, V, KCache, VCache, SlotMapping, Positions, Cos, Sin, stride_pos, stride_qn, stride_qh,
+                   stride_kn, stride_kh, stride_vn, stride_vh, stride_slot, stride_kcn, stride_kch, stride_vcn,
+                   stride_vch, stride_cos, num_q_heads, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                   STORE: tl.constexpr):
+    """One program per (token, head). With STORE, the programs of k heads also write the rotated k
+    and the token's v head into cache slot SlotMapping[token]: the separate KV-store kernel is saved."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if head < num_q_heads:
-        base = Q + tok * stride_qn + head * stride_qh
-    else:
+    is_k = head >= num_q_heads
+    if is_k:
         base = K + tok * stride_kn + (head - num_q_heads) * stride_kh
+    else:
+        base = Q + tok * stride_qn + head * stride_qh
     cols = tl.arange(0, BLOCK)
     ok = cols < HALF
     pos = tl.load(Positions + tok * stride_pos).to(tl.int64)
@@ -74,19 +79,40 @@ def _rotary_kernel(Q, K, Positions, Cos, Sin, stride_pos, stride_qn, stride_qh, 
     out2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
     tl.store(base + cols, out1.to(dt), mask=ok)
     tl.store(base + HALF + cols, out2.to(dt), mask=ok)
+    if STORE:
+        if is_k:
+            kv_head = head - num_q_heads
+            slot = tl.load(SlotMapping + tok * stride_slot).to(tl.int64)
+            kc = KCache + slot * stride_kcn + kv_head * stride_kch
+            tl.store(kc + cols, out1.to(dt), mask=ok)
+            tl.store(kc + HALF + cols, out2.to(dt), mask=ok)
+            v_row = V + tok * stride_vn + kv_head * stride_vh
+            vc = VCache + slot * stride_vcn + kv_head * stride_vch
+            tl.store(vc + cols, tl.load(v_row + cols, mask=ok), mask=ok)
+            tl.store(vc + HALF + cols, tl.load(v_row + HALF + cols, mask=ok), mask=ok)
 
 
-def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Rotates q [N, Hq, D] and k [N, Hk, D] in place (rotate-half layout); cos/sin [P, D/2] float32.
-    positions [N] may be strided, even broadcast (stride 0: tree drafting's frontier nodes share one)."""
+    positions [N] may be strided, even broadcast (stride 0: tree drafting's frontier nodes share one).
+    `store` = (v, k_cache, v_cache, slot_mapping): also k_cache[slot_mapping] = rotated k and
+    v_cache[slot_mapping] = v, in the same kernel (v and the caches with unit stride along D)."""
     n, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and positions.shape == (n,)
+    if store is None:
+        v = k_cache = v_cache = k  # unused: the kernel's STORE branch is compiled out
+        slots = positions
+    else:
+        v, k_cache, v_cache, slots = store
+        assert v.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and slots.shape == (n,)
     if n:
-        _rotary_kernel[(n, hq + hk)](q, k, positions, cos, sin, positions.stride(0), q.stride(0), q.stride(1),
-                                     k.stride(0), k.stride(1),
-                                     cos.stride(0), hq, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2),
-                                     num_warps=1)
+        _rotary_kernel[(n, hq + hk)](q, k, v, k_cache, v_cache, slots, positions, cos, sin, positions.stride(0),
+                                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                     slots.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                                     v_cache.stride(1), cos.stride(0), hq, HALF=d // 2,
+                                     BLOCK=triton.next_power_of_2(d // 2), STORE=store is not None, num_warps=1)
     return q, k
 
 

@@ -60,6 +60,15 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+    def rotate_and_store_(self, positions, q, k, v, k_cache, v_cache, slot_mapping) -> bool:
+        """Where the fused kernel applies: rotates q and k in place and writes the rotated k and v into
+        the cache slots, all in one kernel; returns False (and does nothing) elsewhere."""
+        if not (use_fused(q) and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))):
+            return False
+        kernels().rotary_(positions, q, k, self.cos, self.sin, store=(v, k_cache, v_cache, slot_mapping))
+        return True
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Same operation order as transformers: x*cos + rotate_half(x)*sin in the model dtype.
     cos = torch.cat((cos, cos), dim=-1).to(x.dtype)

@@ -81,10 +81,12 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(
-            q, k, v, ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id], ctx.metadata, self.scale
-        )
+        k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
+        stored = ctx.backend.accepts_stored_kv and self.rotary.rotate_and_store_(
+            positions, q, k, v, k_cache, v_cache, ctx.metadata.slot_mapping)
+        if not stored:
+            q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -31,7 +31,10 @@ def new_caches(num_layers: int) -> tuple[list[list], list[list]]:
 class DenseTTTAttention:
     """Satisfies `AttentionBackend.forward`; there is nothing to plan."""
 
-    def forward(self, q, k, v, k_cache: list, v_cache: list, metadata: GridMetadata, scale: float):
+    accepts_stored_kv = False  # the "cache" is this list of steps: the layer never writes it
+
+    def forward(self, q, k, v, k_cache: list, v_cache: list, metadata: GridMetadata, scale: float,
+                kv_stored: bool = False):
         b, t = metadata.batch_size, metadata.seq_len
         heads, dim = q.shape[1], q.shape[2]
         q, k, v = (x.view(b, t, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))  # [B, heads, T, D]

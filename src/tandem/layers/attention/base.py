@@ -50,6 +50,9 @@ def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int)
 class AttentionBackend(ABC):
     # Whether the backend applies the causal rule from per-row lengths (metadata.causal, no mask).
     derives_causal_mask: bool = False
+    # Whether the layer may write k/v into the cache itself (fused with the rotary embedding) and
+    # call `forward` with kv_stored=True; needs `metadata.slot_mapping`.
+    accepts_stored_kv: bool = False
 
     @abstractmethod
     def plan(self, batch: AttentionBatch, device: torch.device) -> object:
@@ -65,5 +68,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: object,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [N, heads, D]
-        """Write this step's k/v into the cache slots, then attend over the whole sequence."""
+        """Write this step's k/v into the cache slots (unless the caller did: `kv_stored`), then
+        attend over the whole sequence."""

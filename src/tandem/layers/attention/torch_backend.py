@@ -61,9 +61,11 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask.to(device),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
-        k_cache[metadata.slot_mapping] = k
-        v_cache[metadata.slot_mapping] = v
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
+                kv_stored: bool = False):
+        if not kv_stored:
+            k_cache[metadata.slot_mapping] = k
+            v_cache[metadata.slot_mapping] = v
         q_pad = q[metadata.query_index].transpose(1, 2)  # [B, heads, Lq, D]
         k_pad = k_cache[metadata.kv_slots].transpose(1, 2)  # [B, kv_heads, Lkv, D]
         v_pad = v_cache[metadata.kv_slots].transpose(1, 2)

@@ -156,6 +156,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 class TritonAttentionBackend(AttentionBackend):
     derives_causal_mask = True
+    accepts_stored_kv = True  # attention reads k/v from the cache only
 
     def __init__(self, num_kv_splits: int | None = None):
         # None: split the KV walk only when a batch launches too few programs to fill the GPU.
@@ -184,6 +185,8 @@ class TritonAttentionBackend(AttentionBackend):
             kv_slots=kv_slots.to(device), mask=None, **lengths, causal=True,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
+                kv_stored: bool = False):
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return paged_attention(q, k_cache, v_cache, metadata, scale, self.num_kv_splits)
