@@ -70,8 +70,12 @@ def measure(engine: Engine, batch: int) -> dict:
         torch.cuda.synchronize()
     idle = gpu_idle_fraction(prof)
     gpu_ms = (1 - idle) * _span_us(prof) / PROFILE / 1e3
-    top = sorted(((e.key, e.device_time_total / PROFILE / 1e3) for e in prof.key_averages() if e.device_time_total > 0),
-                 key=lambda kv: -kv[1])[:8]
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    top = sorted(((e.key, e.device_time_total / PROFILE / 1e3) for e in kernels), key=lambda kv: -kv[1])[:8]
+    by_kind = {}
+    for e in kernels:
+        kind = _kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.device_time_total / PROFILE / 1e3
     tokens = sum(len(engine.scheduler.get_request(r).output_token_ids) for r in rids)
     for r in rids:
         engine.abort(r)
@@ -79,7 +83,20 @@ def measure(engine: Engine, batch: int) -> dict:
         engine.step()
     return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "gpu_busy_ms_per_iter": round(gpu_ms, 3),
             "tokens_after": tokens, "cpu_ms_per_iter": cpu,
+            "kernels_per_iter": round(sum(e.count for e in kernels) / PROFILE, 1),
+            "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
             "top_gpu_ms_per_iter": [[k[:80], round(v, 4)] for k, v in top]}
+
+
+def _kernel_kind(name: str) -> str:
+    """Coarse class of a GPU kernel by name: where a step's time goes."""
+    if any(tag in name for tag in ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")):
+        return "gemm"
+    if "attention_kernel" in name or "merge_splits" in name:
+        return "attention"
+    if "rms_norm" in name:
+        return "rms_norm"
+    return "other"
 
 
 def _span_us(prof) -> float:
@@ -163,7 +180,9 @@ def main():
               f"{r['iter_ms']:>8.2f} {r['gpu_busy_ms_per_iter']:>7.2f} {r['gpu_idle_frac']:>6.1%}  {c['schedule']:6.2f} "
               f"{c['launch']:6.2f} {c['collect_wait']:6.2f} {c['update']:6.2f}")
     for r in rows:
-        print(f"top GPU ms/iter {r['shape']} {r['mode']} B={r['batch']} overlap={r['overlap']} plan={r['plan_stream']}:")
+        kinds = " ".join(f"{k} {v:.3f}" for k, v in r["gpu_ms_by_kind"].items())
+        print(f"top GPU ms/iter {r['shape']} {r['mode']} B={r['batch']} overlap={r['overlap']} plan={r['plan_stream']}"
+              f" ({r['kernels_per_iter']:.0f} kernels; {kinds}):")
         for name, ms in r["top_gpu_ms_per_iter"]:
             print(f"    {ms:8.3f}  {name}")
 
