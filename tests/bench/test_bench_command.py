@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import statistics
 
 import pytest
 
@@ -48,8 +49,20 @@ def test_spec_off_only_and_no_plots(bench, tiny_pair):
     assert record["model"]["draft"] is None and record["model"]["load_format"] == "safetensors"
 
 
+def test_repeats_report_the_median_and_keep_every_run(bench, tiny_pair):
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--spec", "off", "--batch-sizes", "2",
+                             "--input-len", "5", "--output-len", "6", "--no-plots", "--repeats", "3")
+    assert rc == 0 and record["repeats"] == 3
+    [row] = record["batches"]
+    off = row["spec_off"]
+    assert len(off["runs"]) == 3 and all(r["output_tokens"] == 12 for r in off["runs"])
+    for key in ("tokens_per_s", "ttft_ms", "iteration_ms", "total_s"):
+        assert off[key] == statistics.median(r[key] for r in off["runs"]), key
+
+
 @pytest.mark.parametrize("args, message", [
     (["--spec", "on"], "speculation needs"),  # a checkpoint without a draft
+    (["--repeats", "0"], "--repeats"),
     (["--preset", "tiny-test"], "--preset or --model-path"),
     (["--output-len", "1"], "--output-len"),
     (["--compare-hf", "--temperature", "0.7"], "--temperature 0"),

@@ -36,7 +36,10 @@ def add_bench_parser(sub) -> None:
                                                "plots go beside it")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per engine")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs per engine")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per batch size and mode (same prompts); each reported metric is the "
+                        "median, every run is kept in the JSON (time to first token is one noisy sample per run)")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -51,6 +54,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
+        repeats=ns.repeats,
         command=["tandem", *sys.argv[1:]],
     )
     result = run_bench(cfg)

@@ -35,6 +35,21 @@ class RunMetrics:
         return {k: rounded(v) for k, v in asdict(self).items()}
 
 
+def median_of_runs(runs: list[RunMetrics]) -> dict:
+    """One row for repeated runs of a batch: each metric's median over the runs (upper median for
+    an even count), and, with more than one run, every run's own metrics under "runs"."""
+    rows = [r.as_dict() for r in runs]
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = sorted(r[key] for r in rows if r[key] is not None)
+            out[key] = values[len(values) // 2] if values else None
+    out["runs"] = rows
+    return out
+
+
 def rounded(v):
     if isinstance(v, float):
         return round(v, 4)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.bench import report, synthetic
-from tandem.bench.measure import random_prompts, rounded, run_batch
+from tandem.bench.measure import median_of_runs, random_prompts, rounded, run_batch
 from tandem.bench.presets import PRESETS, write_preset
 
 MODES = ("spec_on", "spec_off")
@@ -40,6 +40,7 @@ class BenchConfig:
     plots: bool = True
     progress: bool = True
     warmup: bool = True
+    repeats: int = 1  # timed runs per batch size and mode; the row holds each metric's median
     command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -47,6 +48,8 @@ class BenchConfig:
             raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         if self.preset is not None and self.engine_kwargs.get("model_path") is not None:
             raise ValueError("give --preset or --model-path, not both")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1 (got {self.repeats})")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1 (got {list(self.batch_sizes)})")
         if self.input_len < 1 or self.output_len < 2:
@@ -134,9 +137,12 @@ def run_bench(cfg: BenchConfig) -> dict:
                 for b in cfg.batch_sizes:
                     bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
                     prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
-                    metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature)
-                    _check_lengths(toks, cfg.output_len)
-                    row = metrics.as_dict()
+                    runs = []
+                    for _ in range(cfg.repeats):  # the same prompts each time
+                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature)
+                        _check_lengths(toks, cfg.output_len)
+                        runs.append(metrics)
+                    row = median_of_runs(runs)
                     if mode == "spec_off":
                         row.pop("mean_accept_length")
                         row.pop("accept_per_position")
@@ -242,6 +248,7 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> di
         "model": {"name": name, "preset": cfg.preset, "model_path": None if cfg.preset else model_path,
                   "load_format": spec_kw.get("load_format"), "draft": draft},
         "input_len": cfg.input_len, "output_len": cfg.output_len, "temperature": cfg.temperature,
+        "repeats": cfg.repeats,
         "batch_sizes": list(cfg.batch_sizes), "modes": cfg.modes,
         "synthetic_acceptance": None,
         "engine_args": {k: v for k, v in spec_kw.items() if not (cfg.preset and k.endswith("model_path"))},
