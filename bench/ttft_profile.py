@@ -93,23 +93,31 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="engine sizing as `tandem bench`'s command line gives it (64); default: Engine's")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--overlap-only", action="store_true", help="skip the runs without the overlap scheduler")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
-    cfg = BenchConfig(engine_kwargs={"device": ns.device, "attention_backend": ns.attention_backend},
+    engine_kwargs = {"device": ns.device, "attention_backend": ns.attention_backend}
+    for key in ("max_running_requests", "cuda_graph_max_bs"):
+        if getattr(ns, key) is not None:
+            engine_kwargs[key] = getattr(ns, key)
+    cfg = BenchConfig(engine_kwargs=engine_kwargs,
                       batch_sizes=(1,), preset=ns.preset, input_len=ns.input_len, output_len=ns.output_len,
                       synthetic_acceptance=ns.synthetic_acceptance)
     result = {"tool": "bench/ttft_profile.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "preset": ns.preset, "input_len": ns.input_len,
-              "label": synthetic.LABEL, "modes": {}}
+              "label": synthetic.LABEL, "command": "python " + " ".join(sys.argv), "modes": {}}
     with tempfile.TemporaryDirectory() as d:
         spec_kw = resolve_engine_kwargs(cfg, d)
         plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
         for mode, kw, p in (("spec_on", spec_kw, ns.synthetic_acceptance), ("spec_off", plain_kw, None)):
-            for overlap in (True, False):
+            for overlap in (True,) if ns.overlap_only else (True, False):
                 name = f"{mode}{'' if overlap else '_no_overlap'}"
                 r = profile_mode(dict(kw, disable_overlap_schedule=not overlap), p, ns.input_len, ns.output_len, ns.top)
                 result["modes"][name] = r
-                print(f"== {name}: ttft {r['ttft_ms']} ms, steps {r['step_wall_ms'][-1]} ms, "
+                print(f"== {name}: ttft {r['ttft_ms']} ms, steps {r['step_wall_ms']} ms, "
                       f"GPU busy {r['gpu_busy_ms_to_first_token_and_one_more']} ms")
                 for k in r["top_kernels"]:
                     print(f"   {k['ms']:8.3f} ms {k['count']:5d}x  {k['kernel']}")
