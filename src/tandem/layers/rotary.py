@@ -59,7 +59,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-
     def rotate_and_store_(self, positions, q, k, v, k_cache, v_cache, slot_mapping) -> bool:
         """Where the fused kernel applies: rotates q and k in place and writes the rotated k and v into
         the cache slots, all in one kernel; returns False (and does nothing) elsewhere."""
