@@ -20,31 +20,19 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from tandem import Engine, SamplingParams  # noqa: E402
+from tandem import Engine  # noqa: E402
 from tandem.bench import synthetic  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
 from tandem.bench.run import BenchConfig, resolve_engine_kwargs  # noqa: E402
+from ttft_profile import steps_to_first_token  # noqa: E402  (beside this script: bench/ is on sys.path)
 
 INPUT_LEN = 128
 
 
 def first_token(engine, prompt, output_len):
     """(time to first token ms, wall ms of each step up to it) for one request run to its end."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.add_request(prompt, params)
-    walls, first = [], None
-    while first is None:
-        start = time.perf_counter()
-        out = engine.step()
-        now = time.perf_counter()
-        walls.append(round(1e3 * (now - start), 2))
-        if any(d.new_token_ids for d in out.deltas):
-            first = round(1e3 * (now - t0), 2)
-    while engine.has_unfinished():
-        engine.step()
-    return first, walls
+    walls, first_ms = steps_to_first_token(engine, prompt, output_len)
+    return round(first_ms, 2), walls
 
 
 def measure(kw, speculative, sizes):
