@@ -7,7 +7,7 @@ import pytest
 
 from tandem.cli import main
 from tests.models.tiny_checkpoints import make_checkpoint
-from tests.spec.draft_checkpoints import write_eagle3_head
+from tests.speculative.draft_checkpoints import write_eagle3_head
 
 FAST = ["--device", "cpu", "--no-progress", "--page-size", "4"]
 

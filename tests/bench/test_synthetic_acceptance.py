@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.bench.synthetic import LABEL, expected_accept_length, synthetic_accept
-from tandem.spec.tree import DraftTree, chain_tree
+from tandem.speculative.tree import DraftTree, chain_tree
 
 REPO_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src", "tandem")
 
@@ -151,7 +151,7 @@ def test_only_bench_code_sets_the_hook():
         for f in files:
             if f.endswith(".py") and "bench_synthetic_acceptance" in open(os.path.join(root, f)).read():
                 users.add(os.path.relpath(os.path.join(root, f), REPO_SRC))
-    assert users == {os.path.join("spec", "worker.py"), os.path.join("bench", "synthetic.py")}
+    assert users == {os.path.join("speculative", "worker.py"), os.path.join("bench", "synthetic.py")}
 
 
 def test_a_normal_engine_verifies(tiny_pair):

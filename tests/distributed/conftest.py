@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.models.tiny_checkpoints import make_checkpoint
-from tests.spec.draft_checkpoints import write_eagle3_head, write_eagle_head, write_mtp_head
+from tests.speculative.draft_checkpoints import write_eagle3_head, write_eagle_head, write_mtp_head
 
 ENGINE = dict(device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
 CHAIN = dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)

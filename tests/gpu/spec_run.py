@@ -14,7 +14,7 @@ import torch
 from tandem import Engine, SamplingParams
 from tandem.runtime.streams import FaultInjection
 from tests.models.tiny_checkpoints import make_checkpoint, prompts
-from tests.spec.draft_checkpoints import write_eagle3_head
+from tests.speculative.draft_checkpoints import write_eagle3_head
 
 
 def models(root: str) -> tuple[str, str]:

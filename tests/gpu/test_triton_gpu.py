@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tandem.layers.attention.base import AttentionBatch  # noqa: E402
 from tandem.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.layers.attention.triton_backend import TritonAttentionBackend, interpreting  # noqa: E402
-from tandem.spec import plan as spec_plan  # noqa: E402
-from tandem.spec.tree import ancestor_mask  # noqa: E402
+from tandem.speculative import plan as spec_plan  # noqa: E402
+from tandem.speculative.tree import ancestor_mask  # noqa: E402
 
 if interpreting():
     pytest.skip("TRITON_INTERPRET=1 is set: these tests need the compiled kernels", allow_module_level=True)
@@ -161,7 +161,7 @@ def test_forward_replays_in_a_cuda_graph():
 @pytest.fixture(scope="module")
 def spec_models(tmp_path_factory):
     from tests.models.tiny_checkpoints import make_checkpoint
-    from tests.spec.draft_checkpoints import write_eagle3_head
+    from tests.speculative.draft_checkpoints import write_eagle3_head
 
     root = tmp_path_factory.mktemp("triton_gpu_models")
     target, head = str(root / "target"), str(root / "eagle3")

@@ -32,7 +32,7 @@ import torch
 
 from tandem import Engine, SamplingParams
 from tests.gpu.spec_run import models, staggered_run
-from tests.spec.conftest import CHAIN, TREE
+from tests.speculative.conftest import CHAIN, TREE
 
 SHUTDOWN_TIMEOUT_S = 20.0  # a healthy shutdown takes well under a second
 

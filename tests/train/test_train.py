@@ -14,7 +14,7 @@ from tandem import Engine, SamplingParams
 from tandem.train import TrainConfig, train_eagle3
 from tests.engine.helpers import make_tokenizer_checkpoint
 from tests.models.tiny_checkpoints import make_checkpoint
-from tests.spec.draft_checkpoints import write_eagle3_head
+from tests.speculative.draft_checkpoints import write_eagle3_head
 from tests.train.fixtures import ACCEPT_FLOOR, ENGINE, random_prompts
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'trit
 from tandem.layers.attention.base import AttentionBatch  # noqa: E402
 from tandem.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.layers.attention.triton_backend import TritonAttentionBackend, interpreting  # noqa: E402
-from tandem.spec import plan as spec_plan  # noqa: E402
-from tandem.spec.tree import ancestor_mask  # noqa: E402
+from tandem.speculative import plan as spec_plan  # noqa: E402
+from tandem.speculative.tree import ancestor_mask  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 if DEVICE.type == "cpu" and not interpreting():
@@ -145,7 +145,7 @@ def test_custom_tree_masks_through_plan():
     compare(planned(batch), sum(q_lens), 4, 2, 24, torch.bfloat16)
 
 
-# ---- metadata built on the device by spec/plan.py (uniform rows: query_valid None) ---------------
+# ---- metadata built on the device by speculative/plan.py (uniform rows: query_valid None) ---------------
 PAGE_SIZE = 4
 
 
@@ -240,12 +240,12 @@ def test_engine_greedy_equals_torch_backend(tiny_llama):
 
 
 def test_speculative_engine_greedy_equals_torch_backend(tiny_llama, tmp_path):
-    """Tree drafting and verification through spec/plan.py's device-built metadata."""
+    """Tree drafting and verification through speculative/plan.py's device-built metadata."""
     import json
 
     from tandem import Engine, SamplingParams
     from tests.models.tiny_checkpoints import prompts
-    from tests.spec.draft_checkpoints import write_eagle3_head
+    from tests.speculative.draft_checkpoints import write_eagle3_head
 
     head = str(tmp_path / "eagle3")
     write_eagle3_head(head, json.load(open(os.path.join(tiny_llama, "config.json"))), seed=2)

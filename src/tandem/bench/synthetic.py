@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem.spec.tree import DraftTree
-from tandem.spec.verify import AcceptResult, greedy_accept
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import AcceptResult, greedy_accept
 
 LABEL = "SYNTHETIC ACCEPTANCE: outputs are not the model's"
 

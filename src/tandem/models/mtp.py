@@ -18,7 +18,7 @@ Module k at position t consumes token x[t+k+1] and the previous module's output 
     logits_k,t = head(shared_head.norm(h_k,t))          predicts x[t+k+2]
 h_-1,t is the target's final hidden state at t (after its final norm, EAGLE-1's feature). Each module
 is an ordinary pre-norm Llama layer with its own KV cache layer (layer id k). Draft step k+1 runs
-module k (spec/mtp_drafter.py), so a checkpoint with n modules drafts at most n tokens.
+module k (speculative/mtp_drafter.py), so a checkpoint with n modules drafts at most n tokens.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all,
 from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.plain_state import PlainStatePool, PlainStepHandle
 from tandem.runtime.streams import FaultInjection, StreamSet
-from tandem.spec.drafter import Drafter
-from tandem.spec.mtp_drafter import MTPDrafter, MTPStatePool
-from tandem.spec.state import SpecStatePool
-from tandem.spec.worker import SpecWorker
+from tandem.speculative.drafter import Drafter
+from tandem.speculative.mtp_drafter import MTPDrafter, MTPStatePool
+from tandem.speculative.state import SpecStatePool
+from tandem.speculative.worker import SpecWorker
 from tandem.request import TokenLogprob
 from tandem.scheduler.outputs import SchedulerOutput
 
@@ -116,7 +116,7 @@ class ModelRunner:
     # ---- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self, max_model_len: int) -> None:
         """Plain decoding: one graph of the target's decode step. Speculative decoding: the draft
-        tree, verify forward and draft extend (spec/phases.py). Prefill chunks stay eager."""
+        tree, verify forward and draft extend (speculative/phases.py). Prefill chunks stay eager."""
         sizes = capture_batch_sizes(min(self.config.cuda_graph_max_bs, self.config.scheduler.max_num_seqs))
         if self.spec is None:
             max_pages = -(-max_model_len // self.page_size)
@@ -190,7 +190,7 @@ class ModelRunner:
         feature = self._draft_feature_size(draft)
         draft_hidden = next(p for n, p in draft.named_parameters() if n.endswith("o_proj.weight")).shape[0]
         if spec.algorithm == "MTP":
-            # MTP: one module per draft step, with lagging per-module KV and state (spec/mtp_drafter.py).
+            # MTP: one module per draft step, with lagging per-module KV and state (speculative/mtp_drafter.py).
             pool = MTPStatePool(sched.max_num_seqs + 8, max_pages, spec.num_steps, draft_hidden, self.dtype,
                                 self.device)
             drafter = MTPDrafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.num_steps,

@@ -1,6 +1,6 @@
 """Which row of a device-resident per-request state pool each running request owns.
 
-Both state pools (speculative decoding's in spec/state.py, plain decoding's in runtime/plain_state.py)
+Both state pools (speculative decoding's in speculative/state.py, plain decoding's in runtime/plain_state.py)
 give every running request one row and keep the last row for padding: padded rows of a CUDA-graph
 batch read and write it, so they never touch a request's state.
 """

@@ -1,7 +1,7 @@
 """Training-time test (TTT): the head is unrolled for several draft steps, as inference runs it.
 
 Draft position t of a sequence x pairs input token x[t+1] with the target's aux state at t (what
-`spec/drafter.py` feeds). At TTT step j (1-based), position t:
+`speculative/drafter.py` feeds). At TTT step j (1-based), position t:
 - input token x[t+j] (ground truth);
 - g = fc(aux_t) for j = 1, else the head's own pre-norm output of step j-1 at t (fc skipped);
 - rope position t + j - 1 (inference: base + depth - 1);

@@ -1,7 +1,7 @@
 """Paged attention with Triton kernels (kernels in triton_kernels.py).
 
 It reads the same metadata as the torch backend (`TorchAttentionMetadata`), so the speculative
-planners in spec/plan.py, which build that metadata on the device, work unchanged: the kernel
+planners in speculative/plan.py, which build that metadata on the device, work unchanged: the kernel
 gathers K/V through `kv_slots` and applies the boolean `mask`, skipping KV blocks the mask hides
 entirely (the padded windows of those plans). `plan()` adds per-row lengths; when every row is
 causal it builds no mask at all and the kernel derives the causal rule from the lengths, visiting

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.models.tiny_checkpoints import make_checkpoint
-from tests.spec.draft_checkpoints import write_eagle3_head, write_eagle_head
+from tests.speculative.draft_checkpoints import write_eagle3_head, write_eagle_head
 
 CHAIN = dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
 TREE = dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8)

@@ -32,10 +32,10 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.torch_backend import TorchAttentionMetadata
 from tandem.models.llama import StepContext
 from tandem.models.mtp import MTPDraft
-from tandem.spec.drafter import PrefillFeed
-from tandem.spec.plan import page_slots
-from tandem.spec.state import SpecStatePool
-from tandem.spec.tree import DraftTree, chain_tree
+from tandem.speculative.drafter import PrefillFeed
+from tandem.speculative.plan import page_slots
+from tandem.speculative.state import SpecStatePool
+from tandem.speculative.tree import DraftTree, chain_tree
 
 
 class MTPStatePool(SpecStatePool):

@@ -5,7 +5,7 @@ import pytest
 
 from tandem import Engine, SamplingParams
 from tests.models.tiny_checkpoints import prompts
-from tests.spec.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
 
 NEW_TOKENS = 20
 PROMPTS = prompts(10, seed=3) + prompts(10, seed=4) + prompts(10, seed=5) + prompts(2, seed=6)  # 32 prompts

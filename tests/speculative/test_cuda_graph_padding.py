@@ -6,8 +6,8 @@ for batches larger than the largest graph. Output must equal plain eager greedy 
 import pytest
 
 from tandem import Engine, SamplingParams
-from tests.spec.conftest import CHAIN, ENGINE, TREE
-from tests.spec.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
 
 LENGTHS = (5, 10, 15, NEW_TOKENS)  # requests finish at different steps, so the batch shrinks
 

@@ -19,8 +19,8 @@ import torch
 
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
-from tandem.spec import plan
-from tandem.spec.tree import DraftTree, ancestor_mask, chain_ancestor_mask
+from tandem.speculative import plan
+from tandem.speculative.tree import DraftTree, ancestor_mask, chain_ancestor_mask
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import pytest
 
 from tandem import Engine, SamplingParams
 from tests.models.tiny_checkpoints import prompts
-from tests.spec.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.train.fixtures import trained_eagle3_head  # noqa: F401  (session fixture)
 
 NEW = 32

@@ -1,4 +1,4 @@
-"""MTP draft modules (models/mtp.py, spec/mtp_drafter.py): the checkpoint format loads by its exact
+"""MTP draft modules (models/mtp.py, speculative/mtp_drafter.py): the checkpoint format loads by its exact
 names; each module computes the documented formula; the drafts equal a from-scratch reference of the
 documented semantics; greedy speculative output equals plain greedy output; a hand-built head whose
 drafts are always right is always accepted; pages are all returned, aborts included."""
@@ -17,8 +17,8 @@ from tandem.layers.attention.base import AttentionBatch
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.models.llama import StepContext
 from tests.models.tiny_checkpoints import prompts
-from tests.spec.conftest import ENGINE, TREE
-from tests.spec.draft_checkpoints import write_mtp_head
+from tests.speculative.conftest import ENGINE, TREE
+from tests.speculative.draft_checkpoints import write_mtp_head
 
 NUM_MODULES = 3
 NEW_TOKENS = 20
@@ -256,7 +256,7 @@ def test_greedy_speculative_equals_plain(spec_models, mtp_head, reference, overl
 def test_pipeline_passes_the_stream_checker(spec_models, mtp_head, reference, monkeypatch, plan):
     """The overlapped pipeline with MTP drafting, under the stream-order checker and a recording
     device module: no unordered cross-stream access, no blanket waits, same greedy tokens."""
-    from tests.spec.test_streams import RecordingDeviceModule
+    from tests.speculative.test_streams import RecordingDeviceModule
 
     monkeypatch.setenv("TANDEM_STREAM_CHECK", "1")
     module = RecordingDeviceModule()

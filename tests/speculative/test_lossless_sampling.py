@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-import tandem.spec.worker as worker_module
+import tandem.speculative.worker as worker_module
 from tandem import Engine, SamplingParams
-from tandem.spec import verify
-from tests.spec.draft_checkpoints import write_eagle3_head
+from tandem.speculative import verify
+from tests.speculative.draft_checkpoints import write_eagle3_head
 
 VOCAB = 8
 PROMPT = [3, 5, 6]

@@ -4,7 +4,7 @@ import pytest
 
 from tandem import Engine, SamplingParams
 from tests.models.tiny_checkpoints import prompts
-from tests.spec.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
 
 
 def _engine(spec_models, alg="STANDALONE", draft="SELF", shape=CHAIN, **kw):

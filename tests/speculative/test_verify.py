@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from tandem.spec.tree import DraftTree, TreeBuilder
-from tandem.spec.verify import AcceptResult, draw_noise, greedy_accept, tree_rejection_sample
+from tandem.speculative.tree import DraftTree, TreeBuilder
+from tandem.speculative.verify import AcceptResult, draw_noise, greedy_accept, tree_rejection_sample
 
 # ---------------------------------------------------------------------------
 # Trees
@@ -457,7 +457,7 @@ def test_chain_shortcut_matches_the_walk():
     with token matches and with synthetic-acceptance coins."""
     from dataclasses import replace
 
-    from tandem.spec.tree import ancestor_mask, chain_ancestor_mask, chain_tree
+    from tandem.speculative.tree import ancestor_mask, chain_ancestor_mask, chain_tree
 
     py = random.Random(7)
     gen = torch.Generator().manual_seed(7)

@@ -6,7 +6,7 @@ import pytest
 from tandem import Engine, SamplingParams
 from tandem.runtime.streams import FaultInjection, StreamOrderError
 from tests.models.tiny_checkpoints import prompts
-from tests.spec.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
 
 
 class RecordingStream:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tandem.spec.tree import DraftTree, TreeBuilder, ancestor_mask, chain_tree
+from tandem.speculative.tree import DraftTree, TreeBuilder, ancestor_mask, chain_tree
 
 # ---------------------------------------------------------------------------
 # Slow reference: the EAGLE-2 procedure for ONE request, candidates as dicts.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.spec.tree import DraftTree
+from tandem.speculative.tree import DraftTree
 
 
 @dataclass

@@ -8,8 +8,8 @@ import torch
 
 from tandem import Engine
 from tandem.models.eagle3 import eagle3_aux_layer_ids
-from tests.spec.conftest import CHAIN, ENGINE
-from tests.spec.draft_checkpoints import write_eagle3_head, write_eagle_head
+from tests.speculative.conftest import CHAIN, ENGINE
+from tests.speculative.draft_checkpoints import write_eagle3_head, write_eagle_head
 
 
 def _engine(target, alg, path):

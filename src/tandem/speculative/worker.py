@@ -34,11 +34,11 @@ from tandem.models.llama import StepContext
 from tandem.request import TokenLogprob
 from tandem.runtime.streams import Edge, StreamSet
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
-from tandem.spec import plan
-from tandem.spec.drafter import Drafter, PrefillFeed
-from tandem.spec.phases import SpecPhases
-from tandem.spec.tree import DraftTree
-from tandem.spec.verify import AcceptResult, greedy_accept, tree_rejection_sample
+from tandem.speculative import plan
+from tandem.speculative.drafter import Drafter, PrefillFeed
+from tandem.speculative.phases import SpecPhases
+from tandem.speculative.tree import DraftTree
+from tandem.speculative.verify import AcceptResult, greedy_accept, tree_rejection_sample
 
 
 @dataclass

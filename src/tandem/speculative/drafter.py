@@ -20,9 +20,9 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.models.draft_base import DraftModel
 from tandem.models.llama import StepContext
-from tandem.spec import plan
-from tandem.spec.state import SpecStatePool
-from tandem.spec.tree import DraftTree, TreeBuilder, chain_tree
+from tandem.speculative import plan
+from tandem.speculative.state import SpecStatePool
+from tandem.speculative.tree import DraftTree, TreeBuilder, chain_tree
 
 
 @dataclass
