@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 from dataclasses import dataclass, field
+
+
+SEED_MASK = (1 << 63) - 1  # seeds are kept as non-negative int64
 
 
 class FinishReason(str, enum.Enum):
@@ -105,9 +109,16 @@ class Request:
     finish_reason: FinishReason | None = None
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    num_sampling_steps: int = 0  # scheduled steps that produce tokens (keys seeded randomness)
+    # Keys every random draw of this request with each token's position (layers/sampling_noise.py): the
+    # caller's seed, or one drawn here, so a recompute after preemption redraws the same tokens.
+    sampling_seed: int | None = None
     # Tokens produced per verify step (speculative decoding); its mean is tau.
     spec_accept_lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling_seed is None:
+            seed = self.sampling_params.seed
+            self.sampling_seed = random.getrandbits(63) if seed is None else seed & SEED_MASK
 
     @property
     def num_tokens(self) -> int:

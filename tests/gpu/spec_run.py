@@ -2,6 +2,7 @@
 deliberately broken configuration cannot take the test process's CUDA context down with it).
 
 python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain] [--no-graph] [--triton]
+    [--sampling greedy|seeded|seeded-penalties]
 """
 
 import argparse
@@ -39,6 +40,9 @@ def main(argv=None):
     ap.add_argument("--triton", action="store_true", help="the triton attention backend")
     ap.add_argument("--logprobs", action="store_true",
                     help="ask for logprobs: speculative steps then take the phase graphs and the plan stream")
+    ap.add_argument("--sampling", choices=["greedy", "seeded", "seeded-penalties"], default="greedy",
+                    help="seeded: a mix of seeded sampled requests (temperature, top-p, top-k, min-p) and greedy "
+                         "ones, which the sampled whole-iteration graphs serve; seeded-penalties adds penalties")
     ns = ap.parse_args(argv)
     target, head = models(ns.root)
     shape = (dict(speculative_eagle_topk=4, speculative_num_steps=5, speculative_num_draft_tokens=8) if ns.tree
@@ -53,19 +57,31 @@ def main(argv=None):
     faults = FaultInjection(drop=frozenset([ns.drop] if ns.drop else []))
     engine = Engine(target, _runner_hooks={"stream_faults": faults}, **kwargs)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
+    if ns.sampling != "greedy":
+        params = seeded_mix(16, penalties=ns.sampling == "seeded-penalties", logprobs=1 if ns.logprobs else None)
     outs = staggered_run(engine, params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     json.dump([o.token_ids for o in outs], sys.stdout)
 
 
+def seeded_mix(n: int, penalties: bool, logprobs=None) -> list[SamplingParams]:
+    """Seeded sampled requests of several kinds and a greedy one in every five."""
+    kinds = [dict(temperature=1.0, top_p=0.9), dict(temperature=1.0), dict(temperature=0.7, top_k=20),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=0.0)]
+    extra = dict(repetition_penalty=1.2, frequency_penalty=0.3) if penalties else {}
+    return [SamplingParams(max_new_tokens=24, ignore_eos=True, seed=1000 + i, logprobs=logprobs,
+                           **kinds[i % len(kinds)], **extra) for i in range(n)]
+
+
 def staggered_run(engine, params) -> list:
     """The GPU tests' workload: 16 prompts, 8 of them one step late, so prefill and decode/verify rows
-    share iterations. Returns the outputs in prompt order."""
+    share iterations. `params`: one for all, or one per prompt. Returns the outputs in prompt order."""
     ids = prompts(10, seed=21) + prompts(6, seed=22)
-    rids = [engine.add_request(p, params) for p in ids[:8]]
+    per = params if isinstance(params, list) else [params] * len(ids)
+    rids = [engine.add_request(p, q) for p, q in zip(ids[:8], per[:8])]
     engine.step()
-    rids += [engine.add_request(p, params) for p in ids[8:]]
+    rids += [engine.add_request(p, q) for p, q in zip(ids[8:], per[8:])]
     done = {}
     while engine.has_unfinished():
         for out in engine.step().finished:

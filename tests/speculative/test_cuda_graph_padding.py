@@ -6,6 +6,7 @@ for batches larger than the largest graph. Output must equal plain eager greedy 
 import pytest
 
 from tandem import Engine, SamplingParams
+from tandem.layers.sampler import GREEDY
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
 
@@ -59,7 +60,7 @@ def check(outs, reference):
 @pytest.mark.parametrize("max_bs", [16, 4], ids=["padded", "eager-fallback"])
 def test_plain_decode_graph(spec_models, reference, max_bs):
     with Engine(spec_models["target"], cuda_graph_max_bs=max_bs, **{**ENGINE, "max_running_requests": 12}) as engine:
-        sizes = record_padded_sizes(engine.runner.decode_graph)
+        sizes = record_padded_sizes(engine.runner.decode_graphs[GREEDY])
         check(run(engine, 10), reference)
     assert sizes, "the graph path never ran"
     if max_bs == 16:
@@ -77,8 +78,8 @@ def test_speculative_graphs(spec_models, reference, kind, shape):
         phases = engine.runner.spec.phases
         sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
         check(run(engine, 10), reference)  # greedy: the whole-iteration graph
-        assert 12 in sizes["iteration"] and not sizes["verify"]  # 10 requests padded to 12
-        check(run(engine, 10, logprobs=1), reference)  # logprobs need the host: the three phase graphs
+        assert 12 in sizes["iteration:greedy"] and not sizes["verify"]  # 10 requests padded to 12
+        check(run(engine, 10, logprobs=1), reference)  # logprobs have no whole-iteration graph: the three phases
     for name in ("draft_tree", "verify", "extend"):
         assert 12 in sizes[name], f"{name}: no padded replay"
 

@@ -1,16 +1,19 @@
 """Speculative sampling is lossless: on a tiny-vocabulary target, the distribution of each generated
 token under speculation equals the target's own distribution, computed exactly by enumerating every
-prefix with Hugging Face transformers. A deliberately wrong acceptance rule fails the same test."""
+prefix with Hugging Face transformers. A deliberately wrong noise key (every tree node drawing with the
+root's noise, a forgotten "+ depth") fails the same test. The GPU case runs the fused sampling kernel
+inside the CUDA-graphed iteration."""
 
-import itertools
 import json
+import random
+
+import math
 
 import pytest
 import torch
 
 import tandem.speculative.worker as worker_module
 from tandem import Engine, SamplingParams
-from tandem.speculative import verify
 from tests.speculative.draft_checkpoints import write_eagle3_head
 
 VOCAB = 8
@@ -36,16 +39,31 @@ def tiny_vocab_pair(tmp_path_factory):
     return str(root / "target"), str(root / "eagle3"), hf
 
 
-def exact_marginals(hf, temperature: float, top_k: int) -> list[torch.Tensor]:
+def filtered_row(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """One row of the target distribution in float64, written out by hand: top-k keeps tokens at least
+    as likely as the k-th, top-p (on the renormalised survivors) keeps a token while the mass strictly
+    more likely than it is below top_p."""
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    p = [math.exp(x - top) for x in scaled]
+    if 0 < top_k < len(p):
+        kth = sorted(p, reverse=True)[top_k - 1]
+        p = [x if x >= kth else 0.0 for x in p]
+    total = sum(p)
+    p = [x / total for x in p]
+    if top_p < 1.0:
+        p = [x if sum(y for y in p if y > x) < top_p else 0.0 for x in p]
+    total = sum(p)
+    return [x / total for x in p]
+
+
+def exact_marginals(hf, temperature: float, top_k: int, top_p: float = 1.0) -> list[torch.Tensor]:
     """P(token at new position i) for i < NEW, by enumerating all prefixes (float64)."""
     def next_probs(prefixes):
         with torch.no_grad():
             logits = hf(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1].double()
-        logits = logits / temperature
-        if 0 < top_k < VOCAB:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        return torch.tensor([filtered_row(row, temperature, top_k, top_p) for row in logits.tolist()],
+                            dtype=torch.float64)
 
     marginals = []
     prob_of = {(): 1.0}
@@ -70,51 +88,61 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def generate_counts(target, draft, temperature, top_k, topk, steps, n_draft) -> list[torch.Tensor]:
-    torch.manual_seed(1234)
-    with Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, device="cpu",
-                speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=n_draft,
-                max_running_requests=SAMPLES, chunked_prefill_size=SAMPLES * len(PROMPT), page_size=16,
-                max_total_tokens=SAMPLES * 16) as engine:
-        params = SamplingParams(max_new_tokens=NEW, temperature=temperature, top_k=top_k, ignore_eos=True)
+def generate_counts(target, draft, temperature, top_k, topk, steps, n_draft, top_p=1.0, device="cpu",
+                    max_running=SAMPLES) -> list[torch.Tensor]:
+    random.seed(1234)  # each request's sampling seed is drawn at admission
+    with Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, device=device,
+                dtype="float32", speculative_eagle_topk=topk, speculative_num_steps=steps,
+                speculative_num_draft_tokens=n_draft, max_running_requests=max_running,
+                chunked_prefill_size=max_running * len(PROMPT), page_size=16,
+                max_total_tokens=max_running * 16) as engine:
+        params = SamplingParams(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p,
+                                ignore_eos=True)
         outs = engine.generate(input_ids=[PROMPT] * SAMPLES, sampling_params=params)
         assert engine.runner.spec.stats.num_accepted_tokens > 0.1 * SAMPLES, "too few accepts to test anything"
     tokens = torch.tensor([o.token_ids for o in outs])  # [SAMPLES, NEW]
     return [torch.bincount(tokens[:, i], minlength=VOCAB).double() for i in range(NEW)]
 
 
-CASES = [  # temperature, top_k, (topk, steps, num_draft_tokens)
-    (1.0, -1, (1, 2, 3)),
-    (0.7, 5, (2, 2, 4)),
+CASES = [  # temperature, top_k, top_p, (topk, steps, num_draft_tokens)
+    (1.0, -1, 1.0, (1, 2, 3)),
+    (0.7, 5, 0.8, (2, 2, 4)),
 ]
 
 
-@pytest.mark.parametrize("temperature,top_k,shape", CASES, ids=["T1-chain", "T0.7-topk5-tree"])
-def test_speculative_sampling_matches_target(tiny_vocab_pair, temperature, top_k, shape):
+@pytest.mark.parametrize("temperature,top_k,top_p,shape", CASES, ids=["T1-chain", "T0.7-topk5-topp0.8-tree"])
+def test_speculative_sampling_matches_target(tiny_vocab_pair, temperature, top_k, top_p, shape):
     target, draft, hf = tiny_vocab_pair
-    want = exact_marginals(hf, temperature, top_k)
-    got = generate_counts(target, draft, temperature, top_k, *shape)
+    want = exact_marginals(hf, temperature, top_k, top_p)
+    got = generate_counts(target, draft, temperature, top_k, *shape, top_p=top_p)
     for pos, (counts, probs) in enumerate(zip(got, want)):
         stat = chi_square(counts, probs)
         assert stat < CHI2_CRIT_DF7, f"position {pos}: chi2 {stat:.1f}, counts {counts.tolist()}, want {probs.tolist()}"
 
 
-def _accept_without_residual(tree, target_probs, uniforms, bonus_noise):
-    """The classic bug: after rejecting drafts, draw the bonus from the full target row instead of
-    the residual, so rejected tokens are drawn twice as often as they should be."""
-    result = verify.tree_rejection_sample(tree, target_probs, uniforms, bonus_noise)
-    rows = torch.arange(tree.tokens.shape[0])
-    last = result.path.gather(1, (result.accept_lens - 1)[:, None]).squeeze(1)
-    bonus = (target_probs[rows, last] / bonus_noise).argmax(-1)
-    result.out_tokens.scatter_(1, (result.accept_lens - 1)[:, None], bonus[:, None])
-    return result
+def _root_noise_for_every_node(seq_lens, depths):
+    """A plausible bug: every node draws with the root's noise key (the depth left out), so an accepted
+    draft's successor reuses the noise that already picked it."""
+    return seq_lens[:, None] + 1 + 0 * depths
 
 
-def test_wrong_acceptance_rule_is_caught(tiny_vocab_pair, monkeypatch):
+def test_wrong_noise_key_is_caught(tiny_vocab_pair, monkeypatch):
     target, draft, hf = tiny_vocab_pair
-    monkeypatch.setattr(worker_module, "tree_rejection_sample", _accept_without_residual)
-    temperature, top_k, shape = CASES[0]
+    monkeypatch.setattr(worker_module, "predicted_positions", _root_noise_for_every_node)
+    temperature, top_k, _, shape = CASES[0]
     want = exact_marginals(hf, temperature, top_k)
     got = generate_counts(target, draft, temperature, top_k, *shape)
     worst = max(chi_square(c, p) for c, p in zip(got, want))
     assert worst > CHI2_CRIT_DF7, f"the biased rule went unnoticed (chi2 {worst:.1f})"
+
+
+@pytest.mark.gpu
+def test_speculative_sampling_matches_target_on_gpu(tiny_vocab_pair):
+    """Temperature 1, top-p 0.9, top-k 5 (of 8 tokens), tree drafting, CUDA graphs: the fused kernel
+    and the graphed iteration draw from the target's distribution."""
+    target, draft, hf = tiny_vocab_pair
+    want = exact_marginals(hf, 1.0, 5, 0.9)
+    got = generate_counts(target, draft, 1.0, 5, 2, 2, 4, top_p=0.9, device="cuda", max_running=256)
+    for pos, (counts, probs) in enumerate(zip(got, want)):
+        stat = chi_square(counts, probs)
+        assert stat < CHI2_CRIT_DF7, f"position {pos}: chi2 {stat:.1f}, counts {counts.tolist()}, want {probs.tolist()}"

@@ -1,7 +1,7 @@
-"""Acceptance tests. greedy_accept and tree_rejection_sample are checked against slow references
-written here (one request at a time, plain lists), and rejection sampling against the target
-distribution itself with a chi-square test whose power is computed, plus negative controls
-showing that the same check catches the classic mistakes."""
+"""Acceptance tests. accept_target_tokens is checked against a slow reference walk written here (one
+request at a time, plain lists), and sampled acceptance (the target's own position-keyed draw at
+every node, then the same walk) against the target distribution itself with a chi-square test whose
+power is computed, plus negative controls showing that the same check catches the classic mistakes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tandem.speculative.tree import DraftTree, TreeBuilder
-from tandem.speculative.verify import AcceptResult, draw_noise, greedy_accept, tree_rejection_sample
+from tandem.layers.sampler import gumbel_race_reference
+from tandem.speculative.verify import AcceptResult, accept_target_tokens
 
 # ---------------------------------------------------------------------------
 # Trees
@@ -84,7 +85,7 @@ def ref_greedy(tokens: list[int], parents: list[int], argmax: list[int], width: 
 
 
 def check_greedy(tree: DraftTree, argmax: torch.Tensor):
-    result = greedy_accept(tree, argmax)
+    result = accept_target_tokens(tree, argmax)
     check_result_shape(result, tree)
     for b in range(tree.tokens.shape[0]):
         n, path, out = ref_greedy(
@@ -156,76 +157,37 @@ def test_root_only_tree():
     result = check_greedy(tree, torch.tensor([[7], [8]]))
     assert result.out_tokens.tolist() == [[7], [8]]
     probs = torch.tensor([[[0.0, 1.0]], [[1.0, 0.0]]])
-    uniforms, noise = draw_noise(2, 1, 2, "cpu", torch.Generator().manual_seed(0))
-    assert tree_rejection_sample(tree, probs, uniforms, noise).out_tokens.tolist() == [[1], [0]]
+    assert position_keyed_sample(tree, probs).out_tokens.tolist() == [[1], [0]]
 
 
 # ---------------------------------------------------------------------------
-# Rejection sampling against a slow reference
+# Sampled acceptance: the target's own draw at each node, keyed by (request seed, position)
 
 
-def ref_rejection(tokens, parents, probs, uniforms, noise, width):
-    """One request, the rule as written in the spec, with the residual held explicitly."""
-    cur, path = 0, [0]
-    p = list(probs[0])
-    while True:
-        moved = False
-        for c in children(parents, cur):
-            t = tokens[c]
-            total = sum(p)
-            if total > 0 and uniforms[c] < p[t] / total:
-                cur, p = c, list(probs[c])
-                path.append(c)
-                moved = True
-                break
-            p[t] = 0.0  # the residual max(p - onehot(t), 0)
-        if not moved:
-            break
-    if sum(p) == 0:
-        p = list(probs[cur])
-    bonus = max(range(len(p)), key=lambda i: p[i] / noise[i])  # first maximum, like torch.argmax
-    out = [tokens[c] for c in path[1:]] + [bonus]
-    return len(path), padded(path, width), padded(out, width)
-
-
-def random_probs(shape, gen: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    """Rows summing to 1, about a third of the entries exactly 0."""
-    probs = torch.rand(*shape, generator=gen, dtype=torch.float64) ** 2
-    probs = probs * (torch.rand(*shape, generator=gen) > 0.35)
-    probs[..., 0] += 1e-3  # no row entirely zero
-    return (probs / probs.sum(-1, keepdim=True)).to(dtype)
-
-
-def test_rejection_matches_reference():
-    # float64, so the code's u * mass < p(t) and the reference's u < p(t) / sum(p) cannot round apart.
-    py = random.Random(2)
-    gen = torch.Generator().manual_seed(2)
-    for case in range(150):
-        batch, num_nodes, vocab = py.randint(1, 6), py.randint(1, 14), py.choice([2, 3, 6])
-        if case % 3 == 0:
-            topk = py.choice([1, 2, 3])
-            steps = py.randint(1, 4)
-            num_nodes = py.randint(1, 1 + topk + (steps - 1) * topk * topk)
-            vocab = 6
-            tree = built_tree(batch, topk, steps, num_nodes, vocab, gen)
-        else:
-            tree = random_tree(batch, num_nodes, vocab, py)
-        probs = random_probs((batch, num_nodes, vocab), gen)
-        uniforms = torch.rand(batch, num_nodes, generator=gen, dtype=torch.float64)
-        noise = torch.empty(batch, vocab, dtype=torch.float64).exponential_(generator=gen)
-        result = tree_rejection_sample(tree, probs, uniforms, noise)
-        check_result_shape(result, tree)
-        for b in range(batch):
-            n, path, out = ref_rejection(
-                tree.tokens[b].tolist(), tree.parents[b].tolist(), probs[b].tolist(),
-                uniforms[b].tolist(), noise[b].tolist(), tree.max_depth + 1,
-            )
-            assert result.accept_lens[b].item() == n
-            assert result.path[b].tolist() == path
-            assert result.out_tokens[b].tolist() == out
-            # Nothing of probability 0 is ever emitted.
-            for j in range(n):
-                assert probs[b, path[j], out[j]] > 0
+def position_keyed_sample(tree: DraftTree, target_probs: torch.Tensor, bug: str | None = None) -> AcceptResult:
+    """What the worker does for sampled rows: node c's target token is a Gumbel-race draw from
+    target_probs[:, c] keyed by (row seed, position of the predicted token = depth + 1), then the walk.
+    Row b is request b (seed b). `bug` switches on a classic mistake (negative controls)."""
+    batch, num_nodes, vocab = target_probs.shape
+    seeds = torch.arange(batch)
+    logits = target_probs.double().log().float()  # -inf for probability 0: never drawn
+    no_filter = torch.full((batch,), float("-inf"))
+    ones = torch.ones(batch)
+    tokens = []
+    for c in range(num_nodes):
+        depth = tree.depths[:, c]
+        key = torch.zeros_like(depth) if bug == "root_noise_everywhere" else depth
+        drawn = gumbel_race_reference(logits[:, c], ones, no_filter, seeds, key + 1)
+        if bug == "greedy_verify":  # a sampled row verified against the argmax; the bonus is still sampled
+            drawn = torch.where(tree.parents.eq(c).any(dim=1), target_probs[:, c].argmax(-1), drawn)
+        tokens.append(drawn)
+    result = accept_target_tokens(tree, torch.stack(tokens, dim=1))
+    if bug == "fresh_bonus_draw":  # the bonus drawn again with other noise: a rejected child's token can win
+        rows = torch.arange(batch)
+        last = result.path.gather(1, (result.accept_lens - 1)[:, None]).squeeze(1)
+        bonus = gumbel_race_reference(logits[rows, last], ones, no_filter, seeds + 10**9, tree.depths[rows, last] + 1)
+        result.out_tokens.scatter_(1, (result.accept_lens - 1)[:, None], bonus[:, None])
+    return result
 
 
 def test_one_hot_target_equals_greedy():
@@ -239,34 +201,28 @@ def test_one_hot_target_equals_greedy():
             if py.random() < 0.5:
                 force_path(tree, argmax, b, py.randrange(num_nodes))
         probs = torch.nn.functional.one_hot(argmax, vocab).float()  # [B, N, V]
-        uniforms, noise = draw_noise(batch, num_nodes, vocab, "cpu", gen)
-        sampled = tree_rejection_sample(tree, probs, uniforms, noise)
-        greedy = greedy_accept(tree, argmax)
+        sampled = position_keyed_sample(tree, probs)
+        greedy = accept_target_tokens(tree, argmax)
         assert torch.equal(sampled.accept_lens, greedy.accept_lens)
         assert torch.equal(sampled.path, greedy.path)
         assert torch.equal(sampled.out_tokens, greedy.out_tokens)
 
 
-def test_empty_residual_from_rounding_falls_back_to_target():
-    """Root has children with tokens 1 and 2 holding all the mass. In float32, mass - p(t1) can come
-    out a hair above p(t2), so u just below 1 rejects t2 and leaves a residual of zeros. The bonus
-    must then come from the target row (token 1 or 2), not be argmax over zeros (token 0)."""
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(10_000):
-        a, b = torch.rand(2, generator=gen).tolist()
-        row = torch.tensor([0.0, a, b, 0.0])
-        if row.sum() - row[1] > row[2]:
-            break
-    else:
-        pytest.fail("no float32 pair with rounding in the residual mass found")
-    tree = tree_from_lists([[0, 1, 2]], [[-1, 0, 0]])
-    probs = torch.stack([row, row, row])[None]  # [1, 3, 4]
-    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
-    uniforms = torch.tensor([[0.0, below_one, below_one]])
-    noise = torch.ones(1, 4)
-    result = tree_rejection_sample(tree, probs, uniforms, noise)
-    assert result.accept_lens.tolist() == [1]
-    assert result.out_tokens.tolist()[0][0] in (1, 2)
+def test_sampled_tokens_never_have_probability_zero():
+    py = random.Random(2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(100):
+        batch, num_nodes, vocab = py.randint(1, 6), py.randint(1, 14), py.choice([2, 3, 6])
+        tree = random_tree(batch, num_nodes, vocab, py)
+        probs = torch.rand(batch, num_nodes, vocab, generator=gen) * (torch.rand(batch, num_nodes, vocab,
+                                                                                 generator=gen) > 0.4)
+        probs[..., 0] += 1e-3
+        probs = probs / probs.sum(-1, keepdim=True)
+        result = position_keyed_sample(tree, probs)
+        check_result_shape(result, tree)
+        for b in range(batch):
+            for j in range(result.accept_lens[b].item()):
+                assert probs[b, result.path[b, j], result.out_tokens[b, j]] > 0
 
 
 # ---------------------------------------------------------------------------
@@ -354,16 +310,14 @@ def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]
     return float(((observed.double() - expected) ** 2 / expected).sum()), probs.numel() - 1
 
 
-def lossless_failures(sampler) -> list[str]:
-    """Run `sampler` (tree_rejection_sample's signature) on SAMPLES copies of the tree and test
-    that the first output token follows target[root], and that the token after the tokens of a
+def lossless_failures(bug: str | None = None) -> list[str]:
+    """Run sampled acceptance on SAMPLES copies of the tree (SAMPLES requests with their own seeds) and
+    test that the first output token follows target[root], and that the token after the tokens of a
     root -> c path follows target[c]. Returns what failed (empty = consistent with lossless)."""
     probs = stat_target_probs()  # [N, V]
     tree = tree_from_lists([STAT_TOKENS], [STAT_PARENTS])
     tree = DraftTree(*(x.expand(SAMPLES, -1) for x in (tree.tokens, tree.parents, tree.depths)), tree.max_depth)
-    gen = torch.Generator().manual_seed(11)
-    uniforms, noise = draw_noise(SAMPLES, len(STAT_TOKENS), VOCAB, "cpu", gen)
-    out = sampler(tree, probs.expand(SAMPLES, -1, -1), uniforms, noise).out_tokens  # [SAMPLES, D+1]
+    out = position_keyed_sample(tree, probs.expand(SAMPLES, -1, -1), bug).out_tokens  # [SAMPLES, D+1]
 
     failures = []
     for node in range(len(STAT_TOKENS)):
@@ -408,48 +362,13 @@ def test_statistical_test_has_power():
         assert power >= MIN_POWER, (node, n, power)
 
 
-def test_rejection_sampling_is_lossless():
-    assert lossless_failures(tree_rejection_sample) == []
+def test_sampled_acceptance_is_lossless():
+    assert lossless_failures() == []
 
 
-# Negative controls: the same check on the same noise, with the rule written out explicitly
-# (the residual held as a full [B, V] tensor) and one classic mistake switched on.
-
-
-def explicit_sampler(bug: str | None):
-    def sample(tree, target_probs, uniforms, bonus_noise):
-        batch, num_nodes = tree.tokens.shape
-        rows = torch.arange(batch)
-        cur = torch.zeros(batch, dtype=torch.long)
-        p = target_probs[:, 0].clone()  # [B, V] residual at cur
-        out = torch.full((batch, tree.max_depth + 1), -1)
-        lens = torch.ones(batch, dtype=torch.long)
-        for c in range(1, num_nodes):
-            is_child = tree.parents[:, c] == cur
-            t = tree.tokens[:, c]
-            u = uniforms[:, tree.depths[0, c]] if bug == "uniform_per_depth" else uniforms[:, c]
-            ratio = p[rows, t] if bug == "no_renormalise" else p[rows, t] / p.sum(-1)
-            accept = is_child & (u < ratio)
-            reject = is_child & ~accept
-            if bug != "no_zeroing":
-                p[rows[reject], t[reject]] = 0.0
-            p = torch.where(accept[:, None], target_probs[:, c], p)
-            cur = torch.where(accept, c, cur)
-            out[rows[accept], tree.depths[accept, c] - 1] = t[accept]
-            lens += accept
-        out[rows, lens - 1] = (p / bonus_noise).argmax(-1)
-        return AcceptResult(lens, torch.full_like(out, -1), out)  # path unused by the check
-
-    return sample
-
-
-def test_explicit_sampler_without_bug_passes():
-    assert lossless_failures(explicit_sampler(None)) == []
-
-
-@pytest.mark.parametrize("bug", ["no_zeroing", "no_renormalise", "uniform_per_depth"])
+@pytest.mark.parametrize("bug", ["root_noise_everywhere", "greedy_verify", "fresh_bonus_draw"])
 def test_check_catches_wrong_rules(bug):
-    assert lossless_failures(explicit_sampler(bug)) != []
+    assert lossless_failures(bug) != []
 
 
 def test_chain_shortcut_matches_the_walk():
@@ -473,8 +392,8 @@ def test_chain_shortcut_matches_the_walk():
         check_greedy(tree, argmax)  # against the pure-Python walk
         coins = torch.rand(batch, steps + 1, generator=gen) < 0.6
         use = torch.rand(batch, generator=gen) < 0.5
-        fast = greedy_accept(tree, argmax, coins, use)
-        walk = greedy_accept(replace(tree, chain=False), argmax, coins, use)
+        fast = accept_target_tokens(tree, argmax, coins, use)
+        walk = accept_target_tokens(replace(tree, chain=False), argmax, coins, use)
         for field in ("accept_lens", "path", "out_tokens"):
             assert torch.equal(getattr(fast, field), getattr(walk, field)), field
         assert torch.equal(chain_ancestor_mask(batch, steps + 1, "cpu"), ancestor_mask(tree.parents))

@@ -32,6 +32,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--compare-hf", action="store_true",
                    help="also run transformers' greedy generate on the same weights and prompts")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for --temperature > 0")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/bench-<name>-<date>.json); "
                                                "plots go beside it")
     p.add_argument("--no-plots", action="store_true")
@@ -53,6 +54,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
         input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
+        top_p=ns.top_p,
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
         repeats=ns.repeats,
         command=["tandem", *sys.argv[1:]],

@@ -57,9 +57,9 @@ def rounded(v):
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int,
-              temperature: float = 0.0) -> tuple[RunMetrics, list[list[int]]]:
+              temperature: float = 0.0, top_p: float = 1.0) -> tuple[RunMetrics, list[list[int]]]:
     """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
     spec = engine.runner.spec
     before = _spec_counts(spec)
     _sync(engine)

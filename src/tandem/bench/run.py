@@ -36,6 +36,7 @@ class BenchConfig:
     synthetic_acceptance: float | None = None
     compare_hf: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0
     out: str | None = None  # None: bench/results/bench-<name>-<date>.json
     plots: bool = True
     progress: bool = True
@@ -133,13 +134,13 @@ def run_bench(cfg: BenchConfig) -> dict:
                     # separate variants when an argument is 1, as a batch of one makes some of them)
                     for b in cfg.batch_sizes:
                         run_batch(engine, random_prompts(b, cfg.input_len, vocab, seed=10_007),
-                                  min(cfg.output_len, 8), cfg.temperature)
+                                  min(cfg.output_len, 8), cfg.temperature, cfg.top_p)
                 for b in cfg.batch_sizes:
                     bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
                     prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
                     runs = []
                     for _ in range(cfg.repeats):  # the same prompts each time
-                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature)
+                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature, cfg.top_p)
                         _check_lengths(toks, cfg.output_len)
                         runs.append(metrics)
                     row = median_of_runs(runs)
@@ -248,6 +249,7 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> di
         "model": {"name": name, "preset": cfg.preset, "model_path": None if cfg.preset else model_path,
                   "load_format": spec_kw.get("load_format"), "draft": draft},
         "input_len": cfg.input_len, "output_len": cfg.output_len, "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
         "repeats": cfg.repeats,
         "batch_sizes": list(cfg.batch_sizes), "modes": cfg.modes,
         "synthetic_acceptance": None,

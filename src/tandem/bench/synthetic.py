@@ -4,7 +4,7 @@ Random-weight presets accept almost nothing, so they cannot show what speculatio
 acceptance rate. This rule replaces verification: each drafted node is accepted with probability P,
 independently, and the walk from the root moves to the first accepted child of the current node
 (for a chain: a prefix whose length is geometric, capped at num_steps). The target still runs the
-whole verify forward and its argmax gives the bonus token, so the work per step is what real
+whole verify forward and its own token (argmax or sample) is the bonus, so the work per step is what real
 verification does; but the emitted tokens are the DRAFT's, not the target's output.
 
 It is reachable only through `install`, which `tandem bench` calls: it is not an `Engine` argument,
@@ -18,18 +18,18 @@ import torch
 from torch import Tensor
 
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import AcceptResult, greedy_accept
+from tandem.speculative.verify import AcceptResult, accept_target_tokens
 
 LABEL = "SYNTHETIC ACCEPTANCE: outputs are not the model's"
 
 
 def synthetic_accept(tree: DraftTree, target_argmax: Tensor, uniforms: Tensor, p: float) -> AcceptResult:
-    """The greedy walk of `greedy_accept` with a coin in place of the token match.
+    """The walk of `accept_target_tokens` with a coin in place of the token match.
 
     target_argmax: [B, N], used only for the bonus token; uniforms: [B, N] in [0, 1) (column 0 unused).
     """
     use_coins = torch.ones(tree.tokens.shape[0], dtype=torch.bool, device=tree.tokens.device)
-    return greedy_accept(tree, target_argmax, coins=uniforms < p, use_coins=use_coins)
+    return accept_target_tokens(tree, target_argmax, coins=uniforms < p, use_coins=use_coins)
 
 
 def expected_accept_length(p: float, num_steps: int) -> float:
@@ -38,7 +38,7 @@ def expected_accept_length(p: float, num_steps: int) -> float:
 
 
 class SyntheticAcceptance:
-    """The hook `SpecWorker._accept` calls instead of verification: (tree, logits [B, N, V]) -> AcceptResult."""
+    """The coins `SpecWorker` uses in place of the token match (`_synthetic_coins`)."""
 
     def __init__(self, p: float, seed: int):
         if not 0.0 <= p <= 1.0:
@@ -46,10 +46,6 @@ class SyntheticAcceptance:
         self.p = p
         self.seed = seed
         self._gen: torch.Generator | None = None  # made on the logits' device at the first step
-
-    def __call__(self, tree: DraftTree, logits: Tensor) -> AcceptResult:
-        uniforms = self.uniforms(tree.tokens.shape, logits.device)
-        return synthetic_accept(tree, logits.argmax(-1), uniforms, self.p)
 
     def coins(self, shape, device) -> Tensor:
         """[B, N] bool: which nodes' coins came up (the input of a graphed decode iteration)."""

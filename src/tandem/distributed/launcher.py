@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from tandem import envs
 from tandem.distributed.parallel_state import TPGroup, check_tp_shapes
-from tandem.runtime.model_runner import ModelRunner, StepResult
+from tandem.runtime.model_runner import ModelRunner
+from tandem.runtime.step_result import StepResult
 
 logger = logging.getLogger(__name__)
 

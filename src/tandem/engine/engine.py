@@ -141,7 +141,6 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
                                    num_lookahead_tokens=lookahead, async_decode=self.overlap)
         self._inflight = None  # the launched step whose results are not processed yet
-        self._inflight_needs_host = False  # it has penalised requests: process it before scheduling
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -203,13 +202,6 @@ class Engine:
     def step(self) -> StepOutput:
         """One engine iteration: the new tokens of every request that got some, and the requests
         that finished in it (complete outputs)."""
-        if self._inflight is not None and self._inflight_needs_host:
-            # Requests with penalties are never scheduled ahead (they need their tokens on the host):
-            # process the step in flight first, so they advance every step instead of every other.
-            handle, self._inflight = self._inflight, None
-            out = self._process(handle)
-            self._launch_next()
-            return out
         handle = self._launch_next()
         return StepOutput() if handle is None else self._process(handle)
 
@@ -220,7 +212,6 @@ class Engine:
         handle = self.runner.launch(sched)
         if self.overlap:
             # Launch N, then process N-1 while N runs; the next call schedules N+1.
-            self._inflight_needs_host = any(c.sample and c.sampling_params.needs_penalties for c in sched.chunks)
             handle, self._inflight = self._inflight, handle
         return handle
 

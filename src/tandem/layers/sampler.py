@@ -1,6 +1,6 @@
-"""Token sampling: pure functions from logits to chosen tokens.
+"""Token sampling on the device: pure functions from logits and per-row tensors to chosen tokens.
 
-The pipeline, per row of the batch (`logits_to_probs` is the single place it lives):
+The pipeline, per row (`logits_to_probs` writes it out as a distribution):
 
     raw logits
       -> penalties      repetition (HF, over prompt + output), frequency / presence (OpenAI, output only)
@@ -11,13 +11,21 @@ The pipeline, per row of the batch (`logits_to_probs` is the single place it liv
       -> min-p          -> renormalize
     = target distribution   (greedy rows: one-hot on the argmax of the penalized logits)
 
-`sample` draws from that distribution with an exponential race, argmax(p / E) with
-E ~ Exp(1), which picks token i with probability p_i and needs no GPU->CPU sync
-(unlike `torch.multinomial` followed by `.item()`).
+Each filter keeps a *prefix of the tokens sorted by probability*, so the three together keep exactly
+the tokens whose scaled logit reaches one threshold per row (`filter_threshold`). Ties at a cut are
+kept together: top-k keeps every token at least as likely as the k-th, top-p every token whose more
+likely tokens hold less than top_p of the (top-k) mass.
 
-Everything works on any device and does its math in float32. Per-row parameters
-arrive as Python objects (`SampleRow`) and become small tensors here; which fast
-paths apply is decided from those Python values, never from device tensors.
+`choose_tokens` draws from that distribution by the Gumbel-max race, argmax over kept tokens of
+(scaled logit + g), with g keyed by (seed, position, token) (layers/sampling_noise.py): token i wins
+with probability p_i, nothing leaves the device, and the token at a position is the same draw
+whichever step computes it. That is what makes speculative decoding's acceptance a plain comparison
+(speculative/verify.py) and seeded outputs independent of speculation. On a GPU one Triton kernel
+(layers/sampling_kernels.py) does the race and the top-p / min-p cuts without sorting the vocabulary;
+`sample_reference` is the same draw in torch (CPU, and the tests' reference). Only top-k sorts.
+
+Every per-request value arrives as a row tensor (`SamplingMetadata`); the only host decisions are the
+`SamplingFeatures` flags, which pick which stages run (and which CUDA graph replays them).
 """
 
 from __future__ import annotations
@@ -28,245 +36,235 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.layers import sampling_noise
 from tandem.request import SamplingParams
 
-_SEED_MASK = (1 << 63) - 1
-_MIN_TEMPERATURE = 1e-6
+MIN_TEMPERATURE = 1e-6  # keeps logits / T finite in float32
 
 
 @dataclass(frozen=True)
-class SampleRow:
-    """What the sampler needs to know about one row of the batch."""
+class SamplingFeatures:
+    """Which stages a batch needs, decided on the host from its requests' parameters (never from device
+    values). Each combination is its own CUDA graph."""
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]  # repetition penalty looks at prompt + output (HF semantics)
-    output_token_ids: Sequence[int]  # frequency / presence look at output only (OpenAI); its length is the seed step
+    sampled: bool = False  # some row has temperature > 0
+    top_k: bool = False  # some sampled row uses top-k (the one filter that needs a sort)
+    penalties: bool = False  # some row uses a repetition, frequency or presence penalty
+    logprobs: int | None = None  # most top logprobs any row asked for; None: no row asked
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> SamplingFeatures:
+        sampled = [p for p in params if not p.greedy]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            sampled=bool(sampled),
+            top_k=any(p.top_k > 0 for p in sampled),
+            penalties=any(p.needs_penalties for p in params),
+            logprobs=max(asked) if asked else None,
+        )
+
+    @property
+    def name(self) -> str:
+        parts = ["sampled" if self.sampled else "greedy"]
+        parts += ["top_k"] * self.top_k + ["penalties"] * self.penalties
+        if self.logprobs is not None:
+            parts.append(f"logprobs{self.logprobs}")
+        return "+".join(parts)
+
+
+GREEDY = SamplingFeatures()
+SAMPLED = SamplingFeatures(sampled=True)
+SAMPLED_TOP_K = SamplingFeatures(sampled=True, top_k=True)
+# The combinations captured as CUDA graphs (greedy; sampling with temperature, top-p and min-p, the
+# server's defaults among them; and with top-k too); steps with penalties or logprobs run the same code
+# eagerly.
+GRAPHED_SAMPLING = (GREEDY, SAMPLED, SAMPLED_TOP_K)
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # [B] int64
-    # The three below are None when no row asked for logprobs, and all tensors otherwise.
-    logprobs: torch.Tensor | None  # [B] float32, logprob of the chosen token
-    top_logprob_ids: torch.Tensor | None  # [B, n] int64, n = max logprobs asked; best first
-    top_logprobs: torch.Tensor | None  # [B, n] float32; rows that asked fewer ignore the extra columns
+class SamplingMetadata:
+    """One step's sampling inputs, one row per row of logits (R rows), all on the logits' device."""
+
+    temperature: torch.Tensor  # [R] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [R] int64, <= 0 disables
+    top_p: torch.Tensor  # [R] float32 in (0, 1]
+    min_p: torch.Tensor  # [R] float32 in [0, 1]
+    seed: torch.Tensor  # [R] int64
+    position: torch.Tensor  # [R] int64: index (in prompt + outputs) of the token being drawn
+    # The penalty stage's inputs (None when a step has no penalised row).
+    repetition_penalty: torch.Tensor | None  # [R] float32
+    frequency_penalty: torch.Tensor | None  # [R] float32
+    presence_penalty: torch.Tensor | None  # [R] float32
+    output_counts: torch.Tensor | None = None  # [R, V] float32: each token's count in the outputs so far
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool: the token occurs in the prompt
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int], device="cpu",
+                    seeds: Sequence[int] | None = None, prompts: Sequence[Sequence[int]] | None = None,
+                    outputs: Sequence[Sequence[int]] | None = None, vocab: int = 0) -> SamplingMetadata:
+        """Rows built from host values (tests, references). Serving builds them from the device state
+        (runtime/sampling_state.py). Unseeded rows use seed 0 here."""
+        def col(values, dtype):
+            return torch.tensor(list(values), dtype=dtype, device=device)
+
+        seeds = seeds if seeds is not None else [p.seed or 0 for p in params]
+        meta = cls(col((p.temperature for p in params), torch.float32), col((p.top_k for p in params), torch.int64),
+                   col((p.top_p for p in params), torch.float32), col((p.min_p for p in params), torch.float32),
+                   col(seeds, torch.int64), col(positions, torch.int64),
+                   col((p.repetition_penalty for p in params), torch.float32),
+                   col((p.frequency_penalty for p in params), torch.float32),
+                   col((p.presence_penalty for p in params), torch.float32))
+        if prompts is not None or outputs is not None:
+            n = len(params)
+            meta.output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+            meta.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+            for i in range(n):
+                for t in (outputs[i] if outputs else ()):
+                    meta.output_counts[i, t] += 1
+                for t in (prompts[i] if prompts else ()):
+                    meta.prompt_mask[i, t] = True
+        return meta
 
 
 # ---------------------------------------------------------------------------
 # Penalties
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Repetition, frequency and presence penalties. logits: [B, V]. Never writes into `logits`.
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition, frequency and presence penalties. logits: [R, V] float32; never written.
 
-    Repetition (HF `RepetitionPenaltyLogitsProcessor`): each distinct token of prompt + output
-    gets logit / p if the logit is positive, logit * p otherwise.
-    Frequency / presence (OpenAI): logit -= frequency * count_in_output + presence * (count > 0).
-    Returns `logits` itself (float32) when no row needs a penalty.
+    Repetition (HF `RepetitionPenaltyLogitsProcessor`): each token of prompt + output gets logit / p
+    if the logit is positive, logit * p otherwise. Frequency / presence (OpenAI):
+    logit -= frequency * count_in_output + presence * (count > 0). Rows with neutral values are unchanged.
     """
+    counts = meta.output_counts
+    seen_in_output = counts > 0
+    seen = seen_in_output | meta.prompt_mask
+    rep = meta.repetition_penalty[:, None]
+    out = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return out - meta.frequency_penalty[:, None] * counts - meta.presence_penalty[:, None] * seen_in_output.float()
+
+
+# ---------------------------------------------------------------------------
+# The kept set: one threshold per row
+
+
+def filter_threshold(scaled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[R] float32: the smallest scaled logit (logits / T) that top-k, then top-p, then min-p keep.
+
+    scaled: [R, V] float32. Kept tokens are exactly those with scaled >= threshold; a row with no
+    filter gets -inf. The most likely token is always kept (every threshold is a value of the row, or
+    below its maximum).
+    """
+    vocab = scaled.shape[-1]
+    neg_inf = torch.full_like(meta.min_p, float("-inf"))  # (no host value: this runs inside CUDA graphs)
+    sorted_s, _ = scaled.sort(dim=-1, descending=True)  # [R, V]
+    probs = torch.softmax(sorted_s, dim=-1)
+    # top-k: the k-th largest value; ties with it stay.
+    k = torch.where(meta.top_k > 0, meta.top_k, vocab).clamp(max=vocab)
+    kth = sorted_s.gather(1, (k - 1)[:, None])  # [R, 1]
+    kept_k = sorted_s >= kth  # a prefix of the sorted row
+    # top-p over the top-k survivors, renormalised: keep while the mass strictly before a token (over
+    # tokens more likely than it, so ties share their first member's mass) is below top_p.
+    mass_k = torch.where(kept_k, probs, 0.0)
+    total = mass_k.sum(dim=-1, keepdim=True)
+    before = mass_k.cumsum(dim=-1) - mass_k
+    first_of_tie = F.pad(sorted_s[:, 1:] != sorted_s[:, :-1], (1, 0), value=True)
+    before = torch.where(first_of_tie, before, torch.zeros_like(before))
+    before = before.cummax(dim=-1).values  # ties inherit the mass before their first member
+    kept_p = kept_k & (before < meta.top_p[:, None] * total)
+    last = kept_p.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    threshold = sorted_s.gather(1, last).squeeze(1)
+    threshold = torch.where(meta.top_p >= 1.0, kth.squeeze(1), threshold)
+    # min-p: p >= min_p * max(p), the same ratio before and after renormalising.
+    min_p_cut = torch.where(meta.min_p > 0, sorted_s[:, 0] + torch.log(meta.min_p), neg_inf)
+    return torch.maximum(threshold, min_p_cut)
+
+
+def inverse_temperature(meta: SamplingMetadata) -> torch.Tensor:
+    """[R] 1 / T; greedy rows get 1 (they take the argmax instead)."""
+    t = torch.where(meta.temperature > 0, meta.temperature.clamp(min=MIN_TEMPERATURE), 1.0)
+    return 1.0 / t
+
+
+def scaled_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """logits / T, as a product with 1 / T: a correctly rounded multiply, so the GPU kernel, which scales
+    on the fly, compares exactly the values the threshold was taken from."""
+    return logits * inverse_temperature(meta)[:, None]
+
+
+def top_k_threshold(scaled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[R]: the k-th largest scaled logit of each row (top-k keeps the tokens at or above it), -inf for
+    rows without top-k. The GPU kernel applies top-p and min-p itself but takes this from a sort."""
+    vocab = scaled.shape[-1]
+    k = torch.where(meta.top_k > 0, meta.top_k, vocab).clamp(max=vocab)
+    kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None]).squeeze(1)
+    return torch.where(meta.top_k > 0, kth, torch.full_like(kth, float("-inf")))
+
+
+def logits_to_probs(logits: torch.Tensor, meta: SamplingMetadata, features: SamplingFeatures | None = None
+                    ) -> torch.Tensor:
+    """The distribution each row samples from: [R, V] float32, rows summing to 1 (the definition that
+    tests and `choose_tokens` agree on)."""
+    features = features or SamplingFeatures(sampled=True, top_k=True, penalties=meta.output_counts is not None)
     logits = logits.float()
-    if not any(r.params.needs_penalties for r in rows):
-        return logits
-    _, vocab = logits.shape
-    device = logits.device
-
-    # Token lists only for the rows that use them: prompts can be long.
-    rep_ids = [
-        [*r.prompt_token_ids, *r.output_token_ids] if r.params.repetition_penalty != 1.0 else [] for r in rows
-    ]
-    freq_ids = [
-        r.output_token_ids if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 else []
-        for r in rows
-    ]
-
-    out = logits
-    if any(rep_ids):
-        seen = _token_counts(rep_ids, vocab, device) > 0  # [B, V]
-        rep = _row_tensor([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
-        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-    if any(freq_ids):
-        counts = _token_counts(freq_ids, vocab, device)  # [B, V]
-        freq = _row_tensor([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
-        pres = _row_tensor([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
-        out = out - freq * counts - pres * (counts > 0).float()
-    return out
-
-
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token id occurs in each row's list: [B, V] float32."""
-    width = max(len(ids) for ids in token_lists)
-    # Pad with the id `vocab`, which lands in an extra column that is dropped.
-    padded = [[*ids, *([vocab] * (width - len(ids)))] for ids in token_lists]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, L]
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
-
-
-# ---------------------------------------------------------------------------
-# Filters on probabilities. Each zeroes tokens and does NOT renormalize.
-
-
-def apply_top_k(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the k most likely tokens of each row, zero the rest. probs: [B, V]; top_k: [B].
-
-    k <= 0 disables the filter for that row; k >= V keeps everything. Exactly k tokens
-    stay even with ties (a stable sort keeps the lower token id).
-    """
-    vocab = probs.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # [B]
-    _, order = probs.sort(dim=-1, descending=True, stable=True)
-    keep_sorted = torch.arange(vocab, device=probs.device)[None, :] < k[:, None]  # [B, V] by rank
-    keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)  # back to token order
-    return probs.masked_fill(~keep, 0.0)
-
-
-def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus filter: keep the smallest set of most likely tokens whose total is >= top_p.
-
-    probs: [B, V], each row summing to 1; top_p: [B] in (0, 1]. The most likely token is
-    always kept; top_p >= 1 keeps every token (rounding in the cumulative sum cannot drop any).
-    """
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    # A token is kept if the mass strictly before it has not yet reached top_p.
-    mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V]
-    keep_sorted = mass_before < top_p[:, None]
-    keep_sorted[:, 0] = True
-    keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
-    keep |= (top_p >= 1.0)[:, None]
-    return probs.masked_fill(~keep, 0.0)
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Keep tokens with p >= min_p * max(p) of their row. probs: [B, V]; min_p: [B] in [0, 1]."""
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-# ---------------------------------------------------------------------------
-# The target distribution
-
-
-def logits_to_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """The distribution each row samples from: [B, V] float32, rows summing to 1.
-
-    penalties -> / temperature -> softmax -> top-k -> renormalize -> top-p -> renormalize
-    -> min-p -> renormalize. Greedy rows (temperature 0) get a one-hot on the argmax of
-    their penalized logits. Speculative rejection sampling uses this same distribution.
-    """
-    penalized = apply_penalties(logits, rows)
-    device = penalized.device
-    params = [r.params for r in rows]
-    greedy = [p.greedy for p in params]
-
-    if all(greedy):
-        return _one_hot_argmax(penalized)
-
-    # Greedy rows divide by 1 here; they are overwritten by a one-hot below. The floor keeps
-    # logits / T finite in float32 (inf - inf would turn softmax into nan).
-    temperature = _row_tensor(
-        [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)], torch.float32, device
-    )
-    probs = torch.softmax(penalized / temperature[:, None], dim=-1)
-
-    if any(p.top_k > 0 for p in params):
-        probs = _renormalize(apply_top_k(probs, _row_tensor([p.top_k for p in params], torch.int64, device)))
-    if any(p.top_p < 1.0 for p in params):
-        probs = _renormalize(apply_top_p(probs, _row_tensor([p.top_p for p in params], torch.float32, device)))
-    if any(p.min_p > 0.0 for p in params):
-        probs = _renormalize(apply_min_p(probs, _row_tensor([p.min_p for p in params], torch.float32, device)))
-
-    if any(greedy):
-        is_greedy = _row_tensor(greedy, torch.bool, device)[:, None]
-        probs = torch.where(is_greedy, _one_hot_argmax(penalized), probs)
-    return probs
-
-
-def _renormalize(probs: torch.Tensor) -> torch.Tensor:
-    return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    penalized = apply_penalties(logits, meta) if features.penalties else logits
+    scaled = scaled_logits(penalized, meta)
+    threshold = filter_threshold(scaled, meta)
+    probs = torch.softmax(scaled.masked_fill(scaled < threshold[:, None], float("-inf")), dim=-1)
+    one_hot = F.one_hot(penalized.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.where((meta.temperature == 0)[:, None], one_hot, probs)
 
 
 # ---------------------------------------------------------------------------
 # Drawing tokens
 
 
-def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None = None
-) -> SamplerOutput:
-    """Choose one token per row. logits: [B, V], raw from the model.
-
-    Rows with `params.seed` draw their noise from a generator of their own, seeded by
-    (seed, number of tokens output so far), so a seeded request gives the same tokens
-    whatever else is in the batch and after preemption + recompute. Other rows share
-    `generator` (the global RNG when None).
-
-    Logprobs are those of the RAW logits, before penalties, temperature and filters
-    (vLLM's default): what the model thinks, not what the sampler was allowed to pick.
-    """
-    assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+def choose_tokens(logits: torch.Tensor, meta: SamplingMetadata, features: SamplingFeatures) -> torch.Tensor:
+    """One token per row: [R] int64. logits: [R, V], raw from the model. No host sync, no host values:
+    safe inside a CUDA graph."""
     logits = logits.float()
+    penalized = apply_penalties(logits, meta) if features.penalties else logits
+    if not features.sampled:
+        return penalized.argmax(dim=-1)
+    if not logits.is_cuda:
+        return sample_reference(penalized, meta)
+    from tandem.layers.sampling_kernels import sample_triton  # imports triton
 
-    if all(r.params.greedy for r in rows):
-        # No softmax, no noise: the argmax of the penalized logits is the answer.
-        token_ids = apply_penalties(logits, rows).argmax(dim=-1)
+    inv_t = inverse_temperature(meta)
+    if features.top_k:
+        kth = top_k_threshold(penalized * inv_t[:, None], meta)
     else:
-        probs = logits_to_probs(logits, rows)
-        noise = _exponential_noise(probs, rows, generator)
-        # Exponential race: argmax_i p_i / E_i picks i with probability p_i. Zero-probability
-        # tokens score exactly 0 while every kept token scores > 0, so they never win.
-        token_ids = (probs / noise).argmax(dim=-1)
-
-    return _with_logprobs(token_ids, logits, rows)
+        kth = torch.full_like(inv_t, float("-inf"))
+    return sample_triton(penalized, inv_t, kth, meta.temperature, meta.top_p, meta.min_p, meta.seed, meta.position)
 
 
-def seed_for_step(seed: int, step: int) -> int:
-    """The generator seed for a seeded request's `step`-th output token (0-based). Deterministic across processes."""
-    return (seed * 1_000_003 + step) & _SEED_MASK
+def sample_reference(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The draw written out in torch: the kept tokens by sorting (`filter_threshold`), then the race with
+    the position-keyed noise (none for greedy rows, which take the argmax). logits: penalized, float32."""
+    inv_t = inverse_temperature(meta)
+    threshold = filter_threshold(logits * inv_t[:, None], meta)
+    noise_scale = (meta.temperature > 0).float()
+    return gumbel_race_reference(logits, inv_t, threshold, meta.seed, meta.position, noise_scale)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None
-) -> torch.Tensor:
-    """Exp(1) noise [B, V]: seeded rows from their own generators, all other rows in one call."""
-    device = probs.device
-    noise = torch.empty_like(probs)
-    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy]
-    if not seeded:
-        noise.exponential_(generator=generator)
-    else:
-        seeded_set = set(seeded)
-        others = [i for i in range(len(rows)) if i not in seeded_set]
-        if others:
-            idx = _row_tensor(others, torch.int64, device)
-            noise[idx] = torch.empty(len(others), probs.shape[-1], device=device).exponential_(generator=generator)
-        for i in seeded:
-            row_gen = torch.Generator(device=device)
-            row_gen.manual_seed(seed_for_step(rows[i].params.seed, len(rows[i].output_token_ids)))
-            noise[i].exponential_(generator=row_gen)
-    # Exp(1) can round to 0 in float32; p / 0 would be inf (or nan for p = 0).
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+def gumbel_race_reference(logits, inv_t, threshold, seed, position, noise_scale=None) -> torch.Tensor:
+    """With s = logits * inv_t: argmax over tokens with s >= threshold of s + g, g the Gumbel noise of
+    (seed, position, token) times noise_scale [R] (default 1), so token i wins with probability
+    softmax(s over the kept tokens)_i. All [R] but logits [R, V]."""
+    scaled = logits * inv_t[:, None]
+    noise = sampling_noise.gumbel_noise(seed, position, scaled.shape[-1])
+    if noise_scale is not None:
+        noise = noise * noise_scale[:, None]
+    score = torch.where(scaled >= threshold[:, None], scaled + noise, float("-inf"))
+    return score.argmax(dim=-1)
 
 
-def _with_logprobs(token_ids: torch.Tensor, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
-    asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-    if not asked:
-        return SamplerOutput(token_ids, None, None, None)
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V] of the raw logits
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    n = min(max(asked), logits.shape[-1])
-    top_logprobs, top_ids = logprobs.topk(n, dim=-1)  # sorted, best first
-    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
-
-
-def _row_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(list(values), dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    # Pinned and asynchronous: a copy from pageable memory waits for the stream to drain, which under
-    # the overlap scheduler means waiting for the step still in flight. (PyTorch's pinned-memory
-    # allocator keeps the buffer until the copy has run.)
-    return host.pin_memory().to(device, non_blocking=True)
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the RAW logits (vLLM's default: what the model thinks, before penalties, temperature
+    and filters): the chosen tokens' [R], and the top-n [R, n] values and ids, best first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, token_ids.clamp(min=0)[:, None]).squeeze(1)
+    top_v, top_i = logp.topk(max(1, min(top_n, logp.shape[-1])), dim=-1)
+    return chosen, top_v, top_i

@@ -4,6 +4,7 @@ samples. Takes a `SchedulerOutput`, returns a `StepResult`; holds no scheduling 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from tandem.distributed.parallel_state import TPGroup, kv_heads_layout
 from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
-from tandem.layers.sampler import SampleRow, SamplerOutput, sample
+from tandem.layers.sampler import GRAPHED_SAMPLING, GREEDY, SamplingFeatures, choose_tokens, token_logprobs
 from tandem.models.hf_config import ModelArchConfig
 from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
@@ -24,26 +25,19 @@ from tandem.models.registry import build_target_model
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all, capture_batch_sizes
 from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.plain_state import PlainStatePool, PlainStepHandle
+from tandem.runtime.sampling_state import SamplingState
+from tandem.runtime.step_result import StepResult, collect_logprobs
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.speculative.drafter import Drafter
 from tandem.speculative.mtp_drafter import MTPDrafter, MTPStatePool
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.worker import SpecWorker
-from tandem.request import TokenLogprob
 from tandem.scheduler.outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on a CPU when none is given
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading weights
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
-    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
-    spec_max_depth: int = 0
 
 
 @dataclass
@@ -55,7 +49,7 @@ class FlatBatch:
     attention: AttentionBatch
     sample_index: list[int]  # row of the flat batch whose logits give each sampled request's token
     sample_request_ids: list[str]
-    sample_rows: list[SampleRow]
+    sample_positions: list[int]  # position of each sampled token (keys its noise)
     # Future chunks: rows of the flat batch whose input token is the device's last sampled token.
     future_rows: list[int] = field(default_factory=list)
     future_slots: list[int] = field(default_factory=list)
@@ -97,18 +91,18 @@ class ModelRunner:
             self.backend = TritonAttentionBackend()
         else:
             self.backend = TorchAttentionBackend()
+        # Sampling parameters and penalty counts per state row, on the device (both pools have this many rows).
+        num_state_rows = config.scheduler.max_num_seqs + 8
+        self.sampling = SamplingState(num_state_rows, arch.vocab_size, self.device)
         self.spec = None
         if draft is not None:
             self.spec = self._build_spec_worker(draft, max_model_len)
-        # Tokens fed so far per request (prompt + outputs): the sampler's penalty and seed inputs.
-        self.histories: dict[str, list[int]] = {}
         # Plain decoding: last sampled tokens on the device (overlap's "future" chunks read them), and
         # the position of each request's next token (a future chunk's start_pos is only a lower bound).
-        self.plain_state = None if self.spec is not None else PlainStatePool(
-            config.scheduler.max_num_seqs + 8, self.device)
+        self.plain_state = None if self.spec is not None else PlainStatePool(num_state_rows, self.device)
         self.next_pos: dict[str, int] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
-        self.decode_graph: GraphedFunction | None = None
+        self.decode_graphs: dict[SamplingFeatures, GraphedFunction] = {}
         self._staging_in_use: torch.cuda.Event | None = None  # the decode graph's last staging upload
         if config.cuda_graph_max_bs and (self.device.type == "cuda" or envs.cuda_graph_emulate()):
             self._capture_cuda_graphs(max_model_len)
@@ -123,13 +117,16 @@ class ModelRunner:
             self.decode_kv_width = max_pages * self.page_size
             self._decode_staging = torch.zeros(sizes[-1], 4 + max_pages, dtype=torch.long,
                                                pin_memory=self.device.type == "cuda")
-            self.decode_graph = GraphedFunction("target decode", self._decode_forward, [
-                GraphInput((), torch.long, 0),  # input token (when known on the host)
-                GraphInput((), torch.long, 0),  # position
-                GraphInput((), torch.long, self.plain_state.pad_slot),  # state row
-                GraphInput((), torch.long, 0),  # 1: the input token is the row's last sampled token
-                GraphInput((max_pages,), torch.long, self.sink_page)], self.device)
-            functions = [self.decode_graph]
+            inputs = [GraphInput((), torch.long, 0),  # input token (when known on the host)
+                      GraphInput((), torch.long, 0),  # position
+                      GraphInput((), torch.long, self.plain_state.pad_slot),  # state row
+                      GraphInput((), torch.long, 0),  # 1: the input token is the row's last sampled token
+                      GraphInput((max_pages,), torch.long, self.sink_page)]
+            for features in GRAPHED_SAMPLING:
+                self.decode_graphs[features] = GraphedFunction(
+                    f"target decode ({features.name})", functools.partial(self._decode_forward, features=features),
+                    inputs, self.device)
+            functions = list(self.decode_graphs.values())
         elif isinstance(self.spec.drafter, MTPDrafter):
             logger.warning("CUDA graphs are not implemented for MTP drafting: its decode steps run eagerly")
             return
@@ -139,22 +136,28 @@ class ModelRunner:
                                                       self._draft_feature_size(self.spec.drafter.model))
         capture_all(functions, sizes, self.device)
 
-    def _decode_forward(self, input_ids, positions, slots, from_device, page_rows):
+    def _decode_forward(self, input_ids, positions, slots, from_device, page_rows, features: SamplingFeatures):
+        """One decode step of one-token rows, sampling included: (tokens [B], logits [B, V])."""
         input_ids = torch.where(from_device.bool(), self.plain_state.last_token[slots], input_ids)
         metadata = decode_metadata(page_rows, positions, self.decode_kv_width, self.page_size,
                                    self.backend.derives_causal_mask)
         ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
         hidden, _ = self.model(input_ids, positions, ctx)
-        return (self.model.compute_logits(hidden),)
+        logits = self.model.compute_logits(hidden)
+        # The sampled token sits one past its input token: that position keys its noise.
+        tokens = choose_tokens(logits, self.sampling.metadata(slots, positions + 1, features.penalties), features)
+        return tokens, logits
 
     def _graphable_decode(self, sched: SchedulerOutput) -> bool:
-        return (self.decode_graph is not None and self.decode_graph.fits(len(sched.chunks))
+        graph = self.decode_graphs.get(GREEDY)
+        return (graph is not None and graph.fits(len(sched.chunks))
                 and all(c.sample and (c.is_future or len(c.token_ids) == 1 and c.start_pos > 0)
                         for c in sched.chunks))
 
-    def _decode_logits_graphed(self, sched: SchedulerOutput, positions: list[int]):
-        """Decode logits [B, V] of a batch of one-token rows, from the captured graph, and the rows'
-        state slots [B] (on the device)."""
+    def _decode_graphed(self, sched: SchedulerOutput, positions: list[int], features: SamplingFeatures):
+        """Tokens [B] and logits [B, V] of a batch of one-token rows from a captured graph, and the rows'
+        state slots [B] (on the device). Features without a graph of their own sample eagerly from
+        the greedy graph's logits."""
         b = len(sched.chunks)
         if self._staging_in_use is not None:
             # Pinned staging is reused every step: the previous step's copy out of it must be done.
@@ -172,8 +175,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging_in_use = torch.cuda.Event()
             self._staging_in_use.record()
-        (logits,) = self.decode_graph(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4:])
-        return logits, rows[:, 2]
+        graph = self.decode_graphs.get(features)
+        slots = rows[:, 2]
+        if graph is not None:
+            tokens, logits = graph(rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
+            return tokens, logits, slots
+        _, logits = self.decode_graphs[GREEDY](rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
+        meta = self.sampling.metadata(slots, rows[:, 1] + 1, features.penalties)
+        return choose_tokens(logits, meta, features), logits, slots
 
     def _draft_feature_size(self, draft) -> int | None:
         if draft.target_hidden == "final":
@@ -203,7 +212,7 @@ class ModelRunner:
                               spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
                             device_module=self.device_module, faults=self.stream_faults)
-        return SpecWorker(self, drafter, spec.num_draft_tokens, streams)
+        return SpecWorker(self, drafter, spec.num_draft_tokens, streams, self.sampling)
 
     def _pages_that_fit(self, draft) -> int:
         per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.num_kv_heads,
@@ -223,47 +232,36 @@ class ModelRunner:
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
-            self.histories.pop(rid, None)
             self.next_pos.pop(rid, None)
         if self.plain_state is not None:
             self.plain_state.release(request_ids)
 
-    def record_history(self, chunk) -> int:
-        """Extends the request's token history with the chunk; returns the chunk's first position."""
-        history = self.histories.setdefault(chunk.request_id, [])
+    def chunk_start(self, chunk) -> int:
+        """The position of the chunk's first token (a future chunk's start_pos is only a lower bound)."""
         if chunk.is_future:
-            # Its token is on the device (the step in flight sampled it). Only penalties read token
-            # values, and penalised requests are never scheduled ahead: a placeholder keeps the length
-            # (the seed step) right.
-            history.append(-1)
             return self.next_pos[chunk.request_id]
-        if chunk.start_pos == 0:
-            history.clear()  # first chunk, or recompute after preemption
-        assert len(history) == chunk.start_pos, "runner history out of step with the scheduler"
-        history.extend(chunk.token_ids)
         return chunk.start_pos
 
     def _advance(self, chunk, start: int) -> None:
         self.next_pos[chunk.request_id] = start + max(1, len(chunk.token_ids))
 
-    def sample_row(self, chunk) -> SampleRow:
-        history = self.histories[chunk.request_id]
-        return SampleRow(chunk.sampling_params, history[: chunk.num_prompt_tokens], history[chunk.num_prompt_tokens:])
-
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         input_ids, positions, slots = [], [], []
         query_lens, kv_slots = [], []
-        sample_index, sample_ids, rows = [], [], []
+        sample_index, sample_ids, sample_positions = [], [], []
         ps = self.page_size
         future_rows, future_slots = [], []
         for chunk in sched.chunks:
-            start = self.record_history(chunk)
+            start = self.chunk_start(chunk)
             self._advance(chunk, start)
+            row = self.plain_state.slot(chunk.request_id)
             tokens = chunk.token_ids
             if chunk.is_future:
                 future_rows.append(len(input_ids))
-                future_slots.append(self.plain_state.slot(chunk.request_id))
+                future_slots.append(row)
                 tokens = (0,)  # replaced on the device by the last sampled token
+            else:
+                self.sampling.admit_chunk(row, chunk)
             n = len(tokens)
             input_ids.extend(tokens)
             positions.extend(range(start, start + n))
@@ -274,9 +272,10 @@ class ModelRunner:
             if chunk.sample:
                 sample_index.append(len(input_ids) - 1)
                 sample_ids.append(chunk.request_id)
-                rows.append(self.sample_row(chunk))
+                sample_positions.append(start + n)
         attention = AttentionBatch(query_lens, kv_slots, slots)
-        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, rows, future_rows, future_slots)
+        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, sample_positions, future_rows,
+                         future_slots)
 
     def launch(self, sched: SchedulerOutput):
         """Starts one step and returns a handle whose results arrive later (`collect`), so the
@@ -301,44 +300,43 @@ class ModelRunner:
         self.spec.collect(handle, result)
         return result
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """launch + collect: the plain (non-overlapped) loop."""
-        handle = self.launch(sched)
-        return StepResult() if handle is None else self.collect(handle)
-
     @torch.inference_mode()
     def _launch_plain(self, sched: SchedulerOutput) -> PlainStepHandle:
-        """Enqueues one plain step (forward, sampling, the sampled tokens into the device state and
-        a copy to pinned host memory) without waiting for it."""
+        """Enqueues one plain step (forward, sampling on the device, the sampled tokens into the device
+        state and a copy to pinned host memory) without waiting for it."""
         handle = PlainStepHandle(sched.iteration)
+        sampling = [c for c in sched.chunks if c.sample]
+        features = SamplingFeatures.of([c.sampling_params for c in sampling])
+        handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sampling
+                                  if c.sampling_params.logprobs is not None}
         if self._graphable_decode(sched):
             positions = []
             for chunk in sched.chunks:
-                start = self.record_history(chunk)
+                start = self.chunk_start(chunk)
                 self._advance(chunk, start)
                 positions.append(start)
             handle.request_ids = [c.request_id for c in sched.chunks]
-            handle.rows = [self.sample_row(c) for c in sched.chunks]
-            logits, slots = self._decode_logits_graphed(sched, positions)
+            token_ids, logits, slots = self._decode_graphed(sched, positions, features)
         else:
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
             if not batch.sample_index:
                 return handle
-            handle.request_ids, handle.rows = batch.sample_request_ids, batch.sample_rows
-            logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_index, device=self.device)])
+            handle.request_ids = batch.sample_request_ids
+            logits = self.model.compute_logits(hidden[self._upload(batch.sample_index, handle)])
             slots = self._upload([self.plain_state.slot(r) for r in handle.request_ids], handle)
-        out = sample(logits, handle.rows)
+            meta = self.sampling.metadata(slots, self._upload(batch.sample_positions, handle), features.penalties)
+            token_ids = choose_tokens(logits, meta, features)
         # Tensor parallelism: every rank takes rank 0's tokens (they feed the next step on the device).
-        token_ids = self.tp.broadcast_(out.token_ids.contiguous())
+        token_ids = self.tp.broadcast_(token_ids.contiguous())
         self.plain_state.last_token[slots] = token_ids
+        self.sampling.add_outputs(slots, token_ids[:, None])
         outputs = {"token_ids": token_ids}
-        if out.logprobs is not None:
-            outputs.update(logprob=out.logprobs, top_ids=out.top_logprob_ids, top_vals=out.top_logprobs)
+        if features.logprobs is not None:
+            outputs["logprob"], outputs["top_vals"], outputs["top_ids"] = token_logprobs(logits, token_ids,
+                                                                                         features.logprobs)
         pin = self.device.type == "cuda"
         for name, t in outputs.items():
-            if t is None:
-                continue
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             handle.host[name] = host
@@ -366,8 +364,9 @@ class ModelRunner:
         for i, rid in enumerate(handle.request_ids):
             result.sampled[rid] = [token_ids[i]]
         if "logprob" in host:
-            out = SamplerOutput(host["token_ids"], host["logprob"], host.get("top_ids"), host.get("top_vals"))
-            self.collect_logprobs(out, handle.request_ids, handle.rows, token_ids, result)
+            collect_logprobs(handle.logprobs_wanted, handle.request_ids, [[t] for t in token_ids],
+                             [1] * len(token_ids), host["logprob"][:, None], host["top_vals"][:, None],
+                             host["top_ids"][:, None], result)
         handle.keep_alive.clear()
         return result
 
@@ -382,17 +381,6 @@ class ModelRunner:
         hidden, _ = self.model(input_ids, positions, ctx)
         return hidden
 
-    @staticmethod
-    def collect_logprobs(out, request_ids, rows, token_ids: list[int], result: StepResult) -> None:
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for i, (rid, row) in enumerate(zip(request_ids, rows)):
-            n = row.params.logprobs
-            if n is None:
-                continue
-            top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
-            result.logprobs[rid] = [TokenLogprob(token_ids[i], chosen[i], top)]
 
 
 def _first_attention(model) -> LlamaAttention:

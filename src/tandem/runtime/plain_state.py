@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.layers.sampler import SampleRow
 from tandem.runtime.state_rows import StateRows
 
 
@@ -25,7 +24,7 @@ class PlainStepHandle:
 
     iteration: int
     request_ids: list[str] = field(default_factory=list)  # the sampled rows, in order
-    rows: list[SampleRow] = field(default_factory=list)
+    logprobs_wanted: dict[str, int] = field(default_factory=dict)  # request id -> top logprobs asked
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: torch.cuda.Event | None = None  # None on a CPU (the copies were synchronous)
     keep_alive: list = field(default_factory=list)  # device tensors the copies read

@@ -21,10 +21,10 @@ class ScheduledChunk:
     # Overlap mode: a decode whose input token and start position are still on the device (the
     # results of the step in flight); token_ids is empty and start_pos a lower bound.
     is_future: bool = False
-    sample_step: int = 0  # how many sampling steps this request had before (keys seeded randomness)
-    # Only for requests with penalties (they need the history): prompt and outputs so far.
-    prompt_token_ids: tuple[int, ...] | None = None
-    output_token_ids: tuple[int, ...] | None = None
+    seed: int = 0  # the request's sampling seed (keys its noise together with each token's position)
+    # Tokens (prompt + outputs) the request had when scheduled: on a first chunk, what the runner must
+    # count as already produced (a recompute after preemption re-feeds earlier outputs).
+    request_len: int = 0
 
     @property
     def num_tokens(self) -> int:

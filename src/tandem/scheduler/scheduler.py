@@ -155,8 +155,7 @@ class Scheduler:
             budget -= n
 
     def _can_schedule_future(self, req: Request, pending: list) -> bool:
-        # Penalties need the real output history on the host, so those requests wait for it.
-        return self.async_decode and len(pending) == 1 and not req.sampling_params.needs_penalties
+        return self.async_decode and len(pending) == 1
 
     def _allocate(self, req: Request, n: int, in_flight: int = 0) -> bool:
         """Grow the request's pages to hold n more tokens (and the lookahead when it samples), plus a
@@ -189,22 +188,17 @@ class Scheduler:
         return self._chunk(req, (), req.num_computed_tokens, True, future=True)
 
     def _chunk(self, req: Request, token_ids: tuple, start: int, sample: bool, future: bool) -> ScheduledChunk:
-        step = req.num_sampling_steps
-        if sample:
-            req.num_sampling_steps += 1
-        params = req.sampling_params
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=token_ids,
             start_pos=start,
             page_ids=tuple(req.page_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            sampling_params=params,
+            sampling_params=req.sampling_params,
             sample=sample,
             is_future=future,
-            sample_step=step,
-            prompt_token_ids=tuple(req.prompt_token_ids) if params.needs_penalties else None,
-            output_token_ids=tuple(req.output_token_ids) if params.needs_penalties else None,
+            seed=req.sampling_seed,
+            request_len=req.num_tokens,
         )
 
     def _preempt(self, req: Request) -> None:

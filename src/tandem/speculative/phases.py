@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.speculative import plan
@@ -67,12 +68,13 @@ class SpecPhases:
     def graphed(self, batch_size: int) -> bool:
         return bool(self.graphs) and self.graphs["verify"].fits(batch_size)
 
-    def iteration_graphed(self, batch_size: int) -> bool:
-        return "iteration" in self.graphs and self.graphs["iteration"].fits(batch_size)
+    def iteration_graphed(self, batch_size: int, features: SamplingFeatures) -> bool:
+        graph = self.graphs.get(_iteration_key(features))
+        return graph is not None and graph.fits(batch_size)
 
-    def iteration(self, slots, page_rows, coins, use_coins):
-        """The whole greedy iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
-        return self.graphs["iteration"](slots, page_rows, coins, use_coins)
+    def iteration(self, features: SamplingFeatures, slots, page_rows, coins, use_coins):
+        """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
+        return self.graphs[_iteration_key(features)](slots, page_rows, coins, use_coins)
 
     def draft_tree(self, slots, page_rows, kv_bound: int) -> DraftTree:
         if not self.graphed(slots.shape[0]):
@@ -141,10 +143,15 @@ class SpecPhases:
                 return self._extend_fn(slots, tokens, None, *rest)
         self.graphs["extend"] = GraphedFunction("draft extend", fn, ext, device)
 
-        def iteration(slots, page_rows, coins, use_coins):
-            return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width)
+        for features in GRAPHED_SAMPLING:
+            def iteration(slots, page_rows, coins, use_coins, features=features):
+                return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features)
 
-        self.graphs["iteration"] = GraphedFunction("whole greedy iteration", iteration, [
-            GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
-            GraphInput((n,), torch.bool, False), GraphInput((), torch.bool, False)], device)
+            self.graphs[_iteration_key(features)] = GraphedFunction(f"whole iteration ({features.name})", iteration, [
+                GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
+                GraphInput((n,), torch.bool, False), GraphInput((), torch.bool, False)], device)
         return list(self.graphs.values())
+
+
+def _iteration_key(features: SamplingFeatures) -> str:
+    return f"iteration:{features.name}"

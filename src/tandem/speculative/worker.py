@@ -29,16 +29,17 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
-from tandem.layers.sampler import SampleRow, apply_penalties, logits_to_probs, sample, seed_for_step
+from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures, choose_tokens, token_logprobs
 from tandem.models.llama import StepContext
-from tandem.request import TokenLogprob
+from tandem.runtime.sampling_state import SamplingState
+from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.speculative import plan
 from tandem.speculative.drafter import Drafter, PrefillFeed
 from tandem.speculative.phases import SpecPhases
 from tandem.speculative.tree import DraftTree
-from tandem.speculative.verify import AcceptResult, greedy_accept, tree_rejection_sample
+from tandem.speculative.verify import AcceptResult, accept_target_tokens
 
 
 @dataclass
@@ -81,20 +82,13 @@ class SpecStepHandle:
     keep_alive: list = field(default_factory=list)
 
 
-@dataclass
-class _Verify:
-    chunks: list[ScheduledChunk]
-    slots: torch.Tensor  # [B] pool rows
-    page_rows: torch.Tensor  # [B, P]
-    kv_bound: int
-
-
 class SpecWorker:
-    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet):
+    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet, sampling: SamplingState):
         self.runner = runner  # target model, KV cache, attention backend
         self.drafter = drafter
         self.phases = SpecPhases(runner, drafter, num_draft_tokens)  # eager, or CUDA graphs once captured
         self.pool = drafter.pool
+        self.sampling = sampling  # rows indexed by self.pool's slots
         self.num_draft_tokens = num_draft_tokens
         self.streams = streams
         self.stats = SpecStats()
@@ -133,12 +127,14 @@ class SpecWorker:
         ps, n_nodes = runner.page_size, self.num_draft_tokens
         it = handle.iteration
         b = len(chunks)
+        features = SamplingFeatures.of([c.sampling_params for c in chunks])
         # A CUDA graph was captured for one KV window, the widest; eager steps use their own bound.
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
-        if self._whole_iteration_graph(chunks):
-            self._launch_verify_graphed(chunks, handle, outputs)
+        handle.verify_ids = [c.request_id for c in chunks]
+        if self.phases.iteration_graphed(b, features):
+            self._launch_verify_graphed(b, features, handle, outputs)
             return
 
         # Plan stream: upload, then the verify plan.
@@ -167,12 +163,8 @@ class SpecWorker:
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
         logits, hidden, aux = self.phases.verify(tree, vplan)  # [B, N, V], [B*N, H], [B*N, H] each
-        accept = self._same_on_every_rank(self._accept(chunks, tree, logits))
-        self._compact_target_kv(vplan, accept)
         s.write("seq_lens", "main")
-        pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
-        bonus = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
-        pool.verified_id[slots] = bonus
+        accept = self._accept_and_commit(slots, vplan, tree, logits, features, self._synthetic_coins(tree))
 
         # Plan stream: draft-extend metadata. It is padded to the deepest possible run, so it needs
         # only the page rows and the old lengths (both the plan stream's own): no wait on verify.
@@ -187,21 +179,58 @@ class SpecWorker:
             if isinstance(t, torch.Tensor):
                 s.keep_alive(t, "main")
 
-        feature = self._feature(hidden, aux)
-        features = None
-        if feature is not None:
-            rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n_nodes
-            features = feature[rows]  # [B, Q, F]: the root's and accepted drafts' features pair with the next tokens
+        features_in = self._accepted_features(hidden, aux, accept)
         s.wait("main", extend_plan_ready)
         s.read(f"extend_plan[{it}]", "main")
-        self.phases.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
+        self.phases.extend(slots, ext_meta, accept.out_tokens, features_in, accept.accept_lens, first_pos)
 
-        handle.verify_ids = [c.request_id for c in chunks]
         handle.max_depth = tree.max_depth
         outputs["accept_lens"] = accept.accept_lens
         outputs["out_tokens"] = accept.out_tokens
-        if any(c.sampling_params.logprobs is not None for c in chunks):
-            self._verify_logprobs(chunks, logits, accept, outputs)
+        if features.logprobs is not None:
+            self._verify_logprobs(logits, accept, features.logprobs, outputs)
+
+    # ---- the iteration body: acceptance and its state updates, shared by the eager and graphed paths ----
+    def _accept_and_commit(self, slots, vplan: plan.VerifyPlan, tree: DraftTree, logits, features: SamplingFeatures,
+                           coins) -> AcceptResult:
+        """The target's own token at every tree node (greedy or sampled with position-keyed noise), the
+        accepted path, and the commit: compacted KV, new lengths, the next root, penalty counts."""
+        pool = self.pool
+        b, n, vocab = logits.shape
+        positions = predicted_positions(vplan.seq_lens, tree.depths)  # [B, N]: keys each node's noise
+        path_counts = _path_token_counts(tree, vocab).view(b * n, vocab) if features.penalties else None
+        node_rows = slots[:, None].expand(b, n).reshape(-1)
+        meta = self.sampling.metadata(node_rows, positions.reshape(-1), features.penalties, path_counts)
+        target_tokens = choose_tokens(logits.view(b * n, vocab), meta, features).view(b, n)
+        use_coins = None if coins is None else coins[1]
+        accept = self._same_on_every_rank(accept_target_tokens(tree, target_tokens, None if coins is None else coins[0],
+                                                               use_coins))
+        self._compact_target_kv(vplan, accept)
+        pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
+        pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
+        self.sampling.add_outputs(slots, accept.out_tokens)
+        return accept
+
+    def _accepted_features(self, hidden, aux, accept: AcceptResult):
+        """[B, Q, F]: the root's and accepted drafts' target features, which pair with the next tokens
+        in the draft extend (None for a standalone draft)."""
+        feature = self._feature(hidden, aux)
+        if feature is None:
+            return None
+        b = accept.path.shape[0]
+        rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * self.num_draft_tokens
+        return feature[rows]
+
+    def _synthetic_coins(self, tree: DraftTree):
+        """BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
+        `bench_synthetic_acceptance`; nothing else does. Its coins REPLACE the token match: the emitted
+        tokens are then the draft's, not the target's. Returns (coins [B, N], use_coins [B]) or None."""
+        synthetic = getattr(self, "bench_synthetic_acceptance", None)
+        if synthetic is None:
+            return None
+        device = tree.tokens.device
+        b = tree.tokens.shape[0]
+        return synthetic.coins(tuple(tree.tokens.shape), device), torch.ones(b, dtype=torch.bool, device=device)
 
     def _stage_page_tables(self, chunks) -> None:
         """Host: fills the pinned staging buffer with this step's pool rows and page tables. It is
@@ -215,27 +244,18 @@ class SpecWorker:
         for i, c in enumerate(chunks):
             pool.staging_pages[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
 
-    # ---- the whole iteration as one CUDA graph (greedy rows) -------------------------------
-    def _whole_iteration_graph(self, chunks) -> bool:
-        """Greedy rows without penalties or logprobs (or synthetic acceptance) need nothing from the
-        host between draft and extend, so one graph replays the whole iteration."""
-        if not self.phases.iteration_graphed(len(chunks)):
-            return False
-        synthetic = getattr(self, "bench_synthetic_acceptance", None)
-        return all((synthetic is not None or (c.sampling_params.greedy and not c.sampling_params.needs_penalties))
-                   and c.sampling_params.logprobs is None for c in chunks)
-
-    def _launch_verify_graphed(self, chunks, handle: SpecStepHandle, outputs) -> None:
+    # ---- the whole iteration as one CUDA graph -----------------------------------------------
+    def _launch_verify_graphed(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs) -> None:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
         pool's device state, so there is nothing for the plan stream to prepare in parallel."""
-        s, pool, device, b = self.streams, self.pool, self.runner.device, len(chunks)
+        s, pool, device = self.streams, self.pool, self.runner.device
         it = handle.iteration
         s.read("page_table_staging", "main")
         s.write(f"page_rows[{it}]", "main")
         slots = pool.staging_slots[:b].to(device, non_blocking=True, copy=True)
         page_rows = pool.staging_pages[:b].to(device, non_blocking=True, copy=True)
         handle.staging_released = s.record("main", "staging_released")
-        synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _accept)
+        synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _synthetic_coins)
         shape = (b, self.num_draft_tokens)
         if synthetic is not None:
             coins = synthetic.coins(shape, device)
@@ -244,18 +264,17 @@ class SpecWorker:
         use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
-        accept_lens, out_tokens = self.phases.iteration(slots, page_rows, coins, use_coins)
-        handle.verify_ids = [c.request_id for c in chunks]
+        accept_lens, out_tokens = self.phases.iteration(features, slots, page_rows, coins, use_coins)
         handle.max_depth = self.phases.tree_max_depth
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
 
-    def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int):
-        """One greedy speculative iteration from device state alone (the body of the whole-iteration
-        graph): draft tree, verify, accept, compact, new lengths, draft extend. The same steps as
-        `_launch_verify`, without the plan stream and the host in between."""
-        pool, runner, drafter = self.pool, self.runner, self.drafter
-        n, ps = self.num_draft_tokens, runner.page_size
+    def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int, features: SamplingFeatures):
+        """One speculative iteration from device state alone (the body of the whole-iteration graph):
+        draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
+        same phases with the plan stream preparing metadata beside the draft."""
+        pool, drafter = self.pool, self.drafter
+        n, ps = self.num_draft_tokens, self.runner.page_size
         # Padded rows share the pool's pad row; start it from zero so their positions stay small.
         pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (a kernel: no host value inside a capture)
         pool.draft_entries[pool.pad_slot:pool.pad_slot + 1].zero_()
@@ -265,41 +284,17 @@ class SpecWorker:
         logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask)
-        accept = self._same_on_every_rank(greedy_accept(tree, logits.argmax(-1), coins, use_coins))
-        self._compact_target_kv(vplan, accept)
-        pool.seq_lens[slots] = seq_lens + accept.accept_lens
-        pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
+        accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins))
         first_pos = seq_lens + 1 - drafter.model.token_offset
         ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
-        feature = self._feature(hidden.reshape(-1, hidden.shape[-1]), [a.reshape(-1, a.shape[-1]) for a in aux])
-        features = None
-        if feature is not None:
-            rows = accept.path.clamp(min=0) + torch.arange(slots.shape[0], device=slots.device)[:, None] * n
-            features = feature[rows]
-        drafter.extend(slots, ext_meta, accept.out_tokens, features, accept.accept_lens, first_pos)
+        features_in = self._accepted_features(hidden.reshape(-1, hidden.shape[-1]),
+                                              [a.reshape(-1, a.shape[-1]) for a in aux], accept)
+        drafter.extend(slots, ext_meta, accept.out_tokens, features_in, accept.accept_lens, first_pos)
         return accept.accept_lens, accept.out_tokens
 
     def _feature(self, hidden, aux):
         kind = self.drafter.model.target_hidden
         return None if kind is None else (torch.cat(aux, dim=-1) if kind == "aux" else hidden)
-
-    # ---- acceptance ---------------------------------------------------------------------------
-    def _accept(self, chunks, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-        # BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
-        # this attribute; nothing else does (it is no Engine argument, CLI flag or server option). It
-        # REPLACES verification: the emitted tokens are then the draft's, not the target's.
-        synthetic = getattr(self, "bench_synthetic_acceptance", None)
-        if synthetic is not None:
-            return synthetic(tree, logits)
-        b, n_nodes, vocab = logits.shape
-        penalized = any(c.sampling_params.needs_penalties for c in chunks)
-        rows = [r for i, c in enumerate(chunks) for r in self._node_rows(c, tree, i, penalized)]
-        flat = logits.reshape(b * n_nodes, vocab)
-        if all(c.sampling_params.greedy for c in chunks):
-            return greedy_accept(tree, apply_penalties(flat, rows).argmax(-1).view(b, n_nodes))
-        probs = logits_to_probs(flat, rows).view(b, n_nodes, vocab)
-        uniforms, noise = self._randomness(chunks, n_nodes, vocab, logits.device)
-        return tree_rejection_sample(tree, probs, uniforms, noise)
 
     def _same_on_every_rank(self, accept: AcceptResult) -> AcceptResult:
         """Tensor parallelism: every rank takes rank 0's decisions. Each rank already has the same
@@ -312,39 +307,6 @@ class SpecWorker:
             return accept
         return AcceptResult(*(tp.broadcast_(t.contiguous()) for t in
                               (accept.accept_lens, accept.path, accept.out_tokens)))
-
-    def _node_rows(self, c: ScheduledChunk, tree: DraftTree, i: int, any_penalties: bool) -> list[SampleRow]:
-        """Sampler rows for every tree node. With penalties, a node's output history extends along its
-        path (the drafted tokens before it), exactly as plain decoding would see it."""
-        outputs = list(c.output_token_ids or ())
-        base = SampleRow(c.sampling_params, (), outputs)
-        if not (any_penalties and c.sampling_params.needs_penalties):
-            return [base] * self.num_draft_tokens
-        raise_if_future(c)
-        # Penalised requests are never scheduled ahead, so their history is exact; reading the
-        # tree back to the host is the price of penalties.
-        tokens, parents = tree.tokens[i].tolist(), tree.parents[i].tolist()
-        prompt = list(c.prompt_token_ids or ())
-        rows = []
-        for node in range(self.num_draft_tokens):
-            path, j = [], node
-            while j > 0:
-                path.append(tokens[j])
-                j = parents[j]
-            rows.append(SampleRow(c.sampling_params, prompt, outputs + path[::-1]))
-        return rows
-
-    def _randomness(self, chunks, n_nodes: int, vocab: int, device):
-        uniforms = torch.rand(len(chunks), n_nodes, device=device)
-        noise = torch.empty(len(chunks), vocab, device=device).exponential_()
-        for i, c in enumerate(chunks):
-            if c.sampling_params.seed is not None:
-                # Keyed by the request's step count, which the CPU knows even while steps are in flight.
-                gen = torch.Generator(device=device)
-                gen.manual_seed(seed_for_step(c.sampling_params.seed, c.sample_step))
-                uniforms[i] = torch.rand(n_nodes, generator=gen, device=device)
-                noise[i] = torch.empty(vocab, device=device).exponential_(generator=gen)
-        return uniforms, noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
     def _compact_target_kv(self, vplan: plan.VerifyPlan, accept: AcceptResult) -> None:
         """Moves the KV of accepted tree nodes to consecutive positions after the root (a no-op copy
@@ -361,15 +323,13 @@ class SpecWorker:
         for cache in (*self.runner.kv_cache.k, *self.runner.kv_cache.v):
             cache[dst] = cache[src]
 
-    def _verify_logprobs(self, chunks, logits, accept: AcceptResult, outputs) -> None:
+    def _verify_logprobs(self, logits, accept: AcceptResult, top_n: int, outputs) -> None:
         """Raw-model logprobs of each produced token: node path[j] predicts out_tokens[j]."""
+        b, q = accept.path.shape
         node_logits = logits.gather(1, accept.path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1]))
-        logp = torch.log_softmax(node_logits, dim=-1)  # [B, Q, V]
-        outputs["verify_logprob"] = logp.gather(2, accept.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
-        n = max(c.sampling_params.logprobs or 0 for c in chunks)
-        if n:
-            top_v, top_i = logp.topk(min(n, logp.shape[-1]), dim=-1)
-            outputs["verify_top_v"], outputs["verify_top_i"] = top_v, top_i
+        chosen, top_v, top_i = token_logprobs(node_logits.reshape(b * q, -1), accept.out_tokens.reshape(-1), top_n)
+        outputs["verify_logprob"] = chosen.view(b, q)
+        outputs["verify_top_v"], outputs["verify_top_i"] = top_v.view(b, q, -1), top_i.view(b, q, -1)
 
     # ---- prefill rows: CPU-planned, results stay on the device ------------------------------
     def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs) -> None:
@@ -377,23 +337,28 @@ class SpecWorker:
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
+            self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
         sampling = [c for c in chunks if c.sample]
         sampled = None
         if sampling:
-            idx = torch.tensor([first_row[c.request_id] + len(c.token_ids) - 1 for c in sampling],
-                               device=hidden.device)
-            rows = [self._prefill_row(c) for c in sampling]
-            out = sample(runner.model.compute_logits(hidden[idx]), rows)
-            sampled = runner.tp.broadcast_(out.token_ids.contiguous())  # see _same_on_every_rank
-            slots = torch.tensor([pool.slot(c.request_id) for c in sampling], device=hidden.device)
+            device = hidden.device
+            idx = torch.tensor([first_row[c.request_id] + len(c.token_ids) - 1 for c in sampling], device=device)
+            slots = torch.tensor([pool.slot(c.request_id) for c in sampling], device=device)
+            end_pos = torch.tensor([c.end_pos for c in sampling], device=device)
+            features = SamplingFeatures.of([c.sampling_params for c in sampling])
+            logits = runner.model.compute_logits(hidden[idx])
+            # The sampled token's position is the chunk's end: the same noise plain decoding would use.
+            tokens = choose_tokens(logits, self.sampling.metadata(slots, end_pos, features.penalties), features)
+            sampled = runner.tp.broadcast_(tokens.contiguous())  # see _same_on_every_rank
             s.write("seq_lens", "main")
             pool.verified_id[slots] = sampled
-            pool.seq_lens[slots] = torch.tensor([c.end_pos for c in sampling], device=hidden.device)
+            pool.seq_lens[slots] = end_pos
+            self.sampling.add_outputs(slots, sampled[:, None])
             outputs["prefill_tokens"] = sampled
-            if out.logprobs is not None:
-                outputs["prefill_logprob"] = out.logprobs
-                outputs["prefill_top_v"], outputs["prefill_top_i"] = out.top_logprobs, out.top_logprob_ids
+            if features.logprobs is not None:
+                chosen, top_v, top_i = token_logprobs(logits, sampled, features.logprobs)
+                outputs["prefill_logprob"], outputs["prefill_top_v"], outputs["prefill_top_i"] = chosen, top_v, top_i
             handle.prefill_ids = [c.request_id for c in sampling]
             for c in sampling:
                 self.ready.add(c.request_id)
@@ -408,10 +373,6 @@ class SpecWorker:
                 sampled_row[len(feeds)] = sampled_index[c.request_id]
             feeds.append(feed)
         self.drafter.prefill(feeds, sampled, sampled_row)
-
-    @staticmethod
-    def _prefill_row(c: ScheduledChunk) -> SampleRow:
-        return SampleRow(c.sampling_params, list(c.prompt_token_ids or ()), list(c.output_token_ids or ()))
 
     def _target_prefill(self, chunks):
         runner, ps = self.runner, self.runner.page_size
@@ -475,8 +436,9 @@ class SpecWorker:
             for i, rid in enumerate(handle.prefill_ids):
                 result.sampled[rid] = [tokens[i]]
             if "prefill_logprob" in host:
-                self._host_logprobs(handle, handle.prefill_ids, host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
-                                    host["prefill_top_i"][:, None], [[t] for t in tokens], [1] * len(tokens), result)
+                collect_logprobs(handle.logprobs_wanted, handle.prefill_ids, [[t] for t in tokens], [1] * len(tokens),
+                                 host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
+                                 host["prefill_top_i"][:, None], result)
         if handle.verify_ids:
             lens = host["accept_lens"].tolist()
             outs = host["out_tokens"].tolist()
@@ -486,27 +448,26 @@ class SpecWorker:
                 result.accept_lengths[rid] = k
             result.spec_max_depth = handle.max_depth
             if "verify_logprob" in host:
-                self._host_logprobs(handle, handle.verify_ids, host["verify_logprob"], host.get("verify_top_v"),
-                                    host.get("verify_top_i"), outs, lens, result)
+                collect_logprobs(handle.logprobs_wanted, handle.verify_ids, outs, lens, host["verify_logprob"],
+                                 host["verify_top_v"], host["verify_top_i"], result)
         handle.keep_alive.clear()
 
-    @staticmethod
-    def _host_logprobs(handle, ids, chosen, top_v, top_i, tokens, lens, result) -> None:
-        want = handle.logprobs_wanted
-        chosen = chosen.tolist()
-        top_v = top_v.tolist() if top_v is not None else None
-        top_i = top_i.tolist() if top_i is not None else None
-        for i, rid in enumerate(ids):
-            n = want.get(rid)
-            if n is None:
-                continue
-            result.logprobs[rid] = [
-                TokenLogprob(tokens[i][j], chosen[i][j],
-                             list(zip(top_i[i][j][:n], top_v[i][j][:n])) if n and top_i is not None else [])
-                for j in range(lens[i])
-            ]
+
+def predicted_positions(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """[B, N]: the position of the token each tree node predicts. The root (the last verified token) sits
+    at position seq_len, a node of depth d at seq_len + d, and its prediction one further on."""
+    return seq_lens[:, None] + depths + 1
 
 
-def raise_if_future(c: ScheduledChunk) -> None:
-    if c.is_future:
-        raise AssertionError("a request with penalties was scheduled ahead of its results")
+def _path_token_counts(tree: DraftTree, vocab: int) -> torch.Tensor:
+    """[B, N, V] float32: how often each token occurs on node c's path below the root (c included). A
+    node's penalties see the request's outputs plus these drafted tokens, as plain decoding would."""
+    b, n = tree.tokens.shape
+    counts = torch.zeros(b, n, vocab + 1, dtype=torch.float32, device=tree.tokens.device)
+    node = torch.arange(n, device=tree.tokens.device).expand(b, n)
+    for _ in range(tree.max_depth):
+        below_root = node > 0
+        token = torch.where(below_root, tree.tokens.gather(1, node), vocab)  # the root adds to the spare column
+        counts.scatter_add_(2, token[:, :, None], torch.ones(b, n, 1, device=counts.device))
+        node = torch.where(below_root, tree.parents.gather(1, node), 0)
+    return counts[:, :, :vocab]

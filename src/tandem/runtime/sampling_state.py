@@ -1,0 +1,109 @@
+"""Each running request's sampling parameters as device tensors, indexed by its state row.
+
+Written once when a request is admitted (its first prefill chunk, or its recompute after preemption),
+read by every step through `metadata(rows, positions)`: a few gathers on the device, nothing built per
+step on the host, so a step's sampling inputs need no host value and fit in a CUDA graph.
+
+Penalties need each request's output-token counts and the set of its prompt tokens ([rows, vocab] each).
+They are allocated when the first penalised request arrives and from then on updated on the device by
+the tokens every step produces (`add_outputs`), so a penalised request never waits for the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.sampler import SamplingMetadata
+from tandem.request import SamplingParams
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+           "presence_penalty")
+
+
+class SamplingState:
+    def __init__(self, num_rows: int, vocab: int, device: torch.device):
+        self.vocab = vocab
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperature = torch.zeros(num_rows, **f32)
+        self.top_k = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(num_rows, **f32)
+        self.min_p = torch.zeros(num_rows, **f32)
+        self.seed = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.repetition_penalty = torch.ones(num_rows, **f32)
+        self.frequency_penalty = torch.zeros(num_rows, **f32)
+        self.presence_penalty = torch.zeros(num_rows, **f32)
+        self.output_counts: torch.Tensor | None = None  # [rows, V] float32
+        self.prompt_mask: torch.Tensor | None = None  # [rows, V] bool
+        # Per row, the tokens (prompt + outputs) its request had when admitted: a recompute after
+        # preemption re-feeds earlier outputs, which count as outputs; later ones were counted when sampled.
+        self.admitted_len = [0] * num_rows
+
+    def admit_chunk(self, row: int, chunk) -> None:
+        """For a chunk of known tokens (a ScheduledChunk): its first chunk (re)writes the row's parameters;
+        every chunk adds its tokens to the penalty state."""
+        if chunk.start_pos == 0:
+            self.admitted_len[row] = chunk.request_len
+            self.admit(row, chunk.sampling_params, chunk.seed)
+        if self.output_counts is not None:
+            self.record_known_tokens(row, chunk.token_ids, chunk.start_pos, chunk.num_prompt_tokens,
+                                     self.admitted_len[row])
+
+    def admit(self, row: int, params: SamplingParams, seed: int) -> None:
+        """Writes a request's parameters into its row (scalar fills: no host sync) and clears its counts."""
+        values = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                      seed=seed, repetition_penalty=params.repetition_penalty,
+                      frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
+        for name in _FIELDS:
+            getattr(self, name)[row] = values[name]
+        if params.needs_penalties and self.output_counts is None:
+            rows = self.temperature.shape[0]
+            self.output_counts = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+            self.prompt_mask = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
+        if self.output_counts is not None:
+            self.output_counts[row].zero_()
+            self.prompt_mask[row].zero_()
+
+    def record_known_tokens(self, row: int, token_ids, start_pos: int, num_prompt: int, admitted_len: int) -> None:
+        """Penalty state for a chunk of known tokens at [start_pos, ...): prompt tokens into the prompt set,
+        outputs produced before admission (a recompute re-feeds them) into the counts. Outputs sampled
+        since admission were counted on the device when sampled."""
+        positions = range(start_pos, start_pos + len(token_ids))
+        prompt = [t for p, t in zip(positions, token_ids) if p < num_prompt]
+        earlier_outputs = [t for p, t in zip(positions, token_ids) if num_prompt <= p < admitted_len]
+        self._add(self.prompt_mask, row, prompt)
+        self._add(self.output_counts, row, earlier_outputs)
+
+    def _add(self, table: torch.Tensor, row: int, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        ids = ids.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else ids
+        if table.dtype == torch.bool:
+            table[row, ids] = True
+        else:
+            table[row].index_add_(0, ids, torch.ones(ids.shape[0], dtype=table.dtype, device=self.device))
+
+    def add_outputs(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts produced tokens on the device. rows: [B]; tokens: [B, Q] with -1 where no token."""
+        if self.output_counts is None:
+            return
+        vocab = self.vocab
+        valid = tokens >= 0
+        cols = torch.where(valid, tokens, vocab)  # invalid entries go to a spare column, dropped below
+        delta = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
+        delta.scatter_add_(1, cols, valid.float())
+        self.output_counts.index_add_(0, rows, delta[:, :vocab])
+
+    def metadata(self, rows: torch.Tensor, positions: torch.Tensor, penalties: bool = False,
+                 extra_counts: torch.Tensor | None = None) -> SamplingMetadata:
+        """Sampling rows for state rows `rows` [R] drawing the tokens at `positions` [R]. With penalties,
+        `extra_counts` [R, V] adds tokens the row has not produced yet (a draft tree node's path)."""
+        # Penalty weights only when the penalty stage runs: every gather is a kernel in the graph.
+        meta = SamplingMetadata(*(getattr(self, name)[rows] for name in _FIELDS[:5]), positions,
+                                *((getattr(self, name)[rows] for name in _FIELDS[5:]) if penalties else (None,) * 3))
+        if penalties:
+            counts = self.output_counts[rows]
+            meta.output_counts = counts if extra_counts is None else counts + extra_counts
+            meta.prompt_mask = self.prompt_mask[rows]
+        return meta

@@ -1,0 +1,29 @@
+"""What one step hands back to the engine: each request's new tokens, logprobs and accept lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.request import TokenLogprob
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
+    spec_max_depth: int = 0
+
+
+def collect_logprobs(wanted: dict[str, int], request_ids, tokens, lens, chosen, top_v, top_i, result: StepResult
+                     ) -> None:
+    """Host lists of each request's produced tokens' logprobs. chosen [B, Q]; top_v, top_i [B, Q, n]."""
+    chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    for i, rid in enumerate(request_ids):
+        n = wanted.get(rid)
+        if n is None:
+            continue
+        result.logprobs[rid] = [
+            TokenLogprob(tokens[i][j], chosen[i][j], list(zip(top_i[i][j][:n], top_v[i][j][:n])) if n else [])
+            for j in range(lens[i])
+        ]
