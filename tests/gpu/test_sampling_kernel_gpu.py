@@ -25,8 +25,8 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p
 
 
 def inputs(rows: int, seed: int, scale: float):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(rows, VOCAB, generator=gen, device="cuda") * scale
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, VOCAB, generator=gen) * scale).cuda()
     params = [PARAMS[i % len(PARAMS)] for i in range(rows)]
     seeds = torch.randint(0, 2**62, (rows,), generator=gen).tolist()
     positions = torch.randint(0, 100_000, (rows,), generator=gen).tolist()

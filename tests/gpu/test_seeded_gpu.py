@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 DELAY = {"TANDEM_STREAM_DELAY_CYCLES": "20000000"}
+SEEDED = ("--sampling", "seeded")  # temperature, top-p, top-k, min-p and greedy rows
+PENALTIES = ("--sampling", "seeded-penalties")
 
 
 @pytest.fixture(scope="module")
@@ -23,44 +25,47 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu_seeded_models")
 
 
-@pytest.fixture(scope="module", params=["seeded", "seeded-penalties"])
-def sampling(request):
-    return request.param
+@pytest.fixture(scope="module")
+def plain_eager(root):
+    return outputs(root, "--plain", "--no-graph", *SEEDED)
 
 
 @pytest.fixture(scope="module")
-def plain_eager(root, sampling):
-    return outputs(root, "--plain", "--no-graph", "--sampling", sampling)
+def plain_eager_penalties(root):
+    return outputs(root, "--plain", "--no-graph", *PENALTIES)
 
 
-def test_graphed_plain_decode(root, plain_eager, sampling):
-    assert outputs(root, "--plain", "--sampling", sampling) == plain_eager
+def test_graphed_plain_decode(root, plain_eager):
+    assert outputs(root, "--plain", *SEEDED) == plain_eager
 
 
-@pytest.mark.parametrize("backend", [[], ["--triton"]], ids=["torch", "triton"])
-@pytest.mark.parametrize("tree", [[], ["--tree"]], ids=["chain", "tree"])
-def test_graphed_speculation(root, plain_eager, sampling, backend, tree):
-    for flags in ([], ["--no-overlap"]):
-        got = outputs(root, *flags, *backend, *tree, "--sampling", sampling)
-        assert got == plain_eager, f"flags {flags + backend + tree}"
+@pytest.mark.parametrize("flags", [[], ["--no-overlap"], ["--triton", "--tree"], ["--triton", "--tree", "--no-overlap"]],
+                         ids=["torch-chain", "torch-chain-no-overlap", "triton-tree", "triton-tree-no-overlap"])
+def test_graphed_speculation(root, plain_eager, flags):
+    assert outputs(root, *flags, *SEEDED) == plain_eager
 
 
-def test_eager_pipeline_with_and_without_plan_stream(root, plain_eager, sampling):
-    for flags in ([], ["--no-plan"], ["--tree"]):
-        assert outputs(root, "--no-graph", *flags, "--sampling", sampling) == plain_eager, f"flags {flags}"
+@pytest.mark.parametrize("flags", [[], ["--no-plan"], ["--tree"]], ids=["chain", "no-plan", "tree"])
+def test_eager_pipeline(root, plain_eager, flags):
+    assert outputs(root, "--no-graph", *flags, *SEEDED) == plain_eager
 
 
-def test_self_draft_accepts_sampled_drafts(root, plain_eager, sampling):
-    assert outputs(root, "--self-draft", "--tree", "--sampling", sampling) == plain_eager
+def test_self_draft_accepts_sampled_drafts(root, plain_eager):
+    assert outputs(root, "--self-draft", "--tree", *SEEDED) == plain_eager
 
 
-def test_delay_injection(root, plain_eager, sampling):
-    assert outputs(root, "--tree", "--sampling", sampling, env=DELAY) == plain_eager
-    assert outputs(root, "--no-graph", "--tree", "--sampling", sampling, env=DELAY) == plain_eager
+def test_delay_injection(root, plain_eager):
+    assert outputs(root, "--tree", *SEEDED, env=DELAY) == plain_eager
+    assert outputs(root, "--no-graph", "--tree", *SEEDED, env=DELAY) == plain_eager
 
 
-def test_cuda_sanitizer_on_sampled_pipeline(root, plain_eager, sampling):
-    proc = run(root, "--no-graph", "--tree", "--sampling", sampling, env={"TORCH_CUDA_SANITIZER": "1"})
+@pytest.mark.parametrize("flags", [["--tree"], ["--no-graph"], ["--plain"]], ids=["spec-tree", "spec-eager", "plain-graphed"])
+def test_penalties(root, plain_eager_penalties, flags):
+    assert outputs(root, *flags, *PENALTIES) == plain_eager_penalties
+
+
+def test_cuda_sanitizer_on_sampled_pipeline(root, plain_eager):
+    proc = run(root, "--no-graph", "--tree", *SEEDED, env={"TORCH_CUDA_SANITIZER": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "CSAN" not in proc.stderr and "data race" not in proc.stderr.lower()
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == plain_eager

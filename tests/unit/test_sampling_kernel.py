@@ -54,9 +54,12 @@ def rows(vocab: int, copies: int, seed: int):
     return logits, meta
 
 
-@pytest.mark.parametrize("vocab", [37, 3000])
-def test_kernel_draws_the_reference_token(vocab):
-    logits, meta = rows(vocab, copies=6, seed=vocab)
+@pytest.mark.parametrize("vocab,copies", [(37, 6), (3000, 6), (40_000, 1)])  # 40k: round 1 in two slices
+def test_kernel_draws_the_reference_token(vocab, copies):
+    from tandem.layers.sampling_kernels import _num_parts
+
+    logits, meta = rows(vocab, copies=copies, seed=vocab)
+    assert _num_parts(logits.shape[0], vocab) == (2 if vocab == 40_000 else 1)
     move = lambda t: t.to(DEVICE)  # noqa: E731
     meta_dev = SamplingMetadata(*(move(getattr(meta, f)) for f in (
         "temperature", "top_k", "top_p", "min_p", "seed", "position", "repetition_penalty", "frequency_penalty",
