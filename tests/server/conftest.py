@@ -36,7 +36,8 @@ def _servers(chat_ckpt, tmp_path_factory):
     # the draft is the target itself (STANDALONE): every draft token is accepted
     spec = ServerProcess(common + ["--max-total-tokens", "65536", "--speculative-algorithm", "STANDALONE",
                                    "--speculative-draft-model-path", chat_ckpt, "--speculative-num-steps", "3",
-                                   "--speculative-num-draft-tokens", "4"], logs / "spec.log")
+                                   "--speculative-num-draft-tokens", "4",
+                                   "--speculative-adaptive", "off"], logs / "spec.log")
     with started_together({"main": main, "spec": spec}) as servers:
         yield servers
 

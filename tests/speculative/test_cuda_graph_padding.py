@@ -73,12 +73,15 @@ def test_plain_decode_graph(spec_models, reference, max_bs):
 @pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_speculative_graphs(spec_models, reference, kind, shape):
+    # A fixed shape (adaptive off), so every greedy step takes the one whole-iteration graph checked below.
     with Engine(spec_models["target"], speculative_algorithm=kind, speculative_draft_model_path=spec_models[kind],
-                cuda_graph_max_bs=16, **shape, **{**ENGINE, "max_running_requests": 12}) as engine:
+                cuda_graph_max_bs=16, speculative_adaptive="off", **shape,
+                **{**ENGINE, "max_running_requests": 12}) as engine:
         phases = engine.runner.spec.phases
         sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
         check(run(engine, 10), reference)  # greedy: the whole-iteration graph
-        assert 12 in sizes["iteration:greedy"] and not sizes["verify"]  # 10 requests padded to 12
+        iteration = f"iteration:greedy:{phases.configured.name}"
+        assert 12 in sizes[iteration] and not sizes["verify"]  # 10 requests padded to 12
         check(run(engine, 10, logprobs=1), reference)  # logprobs have no whole-iteration graph: the three phases
     for name in ("draft_tree", "verify", "extend"):
         assert 12 in sizes[name], f"{name}: no padded replay"
@@ -88,7 +91,8 @@ def test_self_draft_accepts_everything_with_graphs(spec_models, reference):
     """The target drafting for itself accepts every draft: wrong state written by a padded row or
     a wrong window would show as a shorter accept length."""
     with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
-                cuda_graph_max_bs=16, **CHAIN, **{**ENGINE, "max_running_requests": 12}) as engine:
+                cuda_graph_max_bs=16, speculative_adaptive="off", **CHAIN,
+                **{**ENGINE, "max_running_requests": 12}) as engine:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outs = engine.generate(input_ids=PROMPTS[:10], sampling_params=params)  # 10 rows padded to 12
     for out, want in zip(outs, reference):

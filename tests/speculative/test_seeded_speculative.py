@@ -73,14 +73,14 @@ def test_seeded_equal_through_emulated_cuda_graphs(spec_models, plain_seeded, mo
     params = params_mix()
     from tests.speculative.test_cuda_graph_padding import record_padded_sizes
 
-    with spec_engine(spec_models, "EAGLE3", CHAIN, cuda_graph_max_bs=16) as engine:
+    with spec_engine(spec_models, "EAGLE3", CHAIN, cuda_graph_max_bs=16, speculative_adaptive="off") as engine:
         sizes = {name: record_padded_sizes(g) for name, g in engine.runner.spec.phases.graphs.items()}
         check(engine.generate(input_ids=BATCH, sampling_params=params), plain_seeded, "graphs, mixed")
         for kind in range(6):  # batches of one kind each: greedy, sampled and filtered whole-iteration graphs
             rows = list(range(kind, len(BATCH), 6))
             outs = engine.generate(input_ids=[BATCH[i] for i in rows], sampling_params=[params[i] for i in rows])
             check(outs, [plain_seeded[i] for i in rows], f"graphs, kind {kind}")
-    for name in ("iteration:greedy", "iteration:sampled", "iteration:sampled+top_k", "verify"):
+    for name in ("iteration:greedy:chain3", "iteration:sampled:chain3", "iteration:sampled+top_k:chain3", "verify"):
         assert sizes[name], f"the {name} graph never ran"
 
 

@@ -81,7 +81,7 @@ def test_abort_mid_speculation_frees_pages(spec_models):
 
 
 def test_spec_stats_count_what_requests_saw(spec_models):
-    with _engine(spec_models) as engine:
+    with _engine(spec_models, speculative_adaptive="off") as engine:  # every step drafts 3
         outs = engine.generate(input_ids=prompts(3, seed=14),
                                sampling_params=SamplingParams(max_new_tokens=17, temperature=0.0, ignore_eos=True))
         stats = engine.runner.spec.stats

@@ -175,8 +175,10 @@ class TensorParallelRunner:
     def launch(self, sched):
         self._check()  # before the broadcast: a dead peer would make it (or the step) hang or fail
         try:
-            self.tp.broadcast_object(sched)
-            return self.runner.launch(sched)
+            # Rank 0 picks the draft shape (its own timings): every rank must run the same graphs.
+            shape = self.runner.choose_draft_shape(sched)
+            self.tp.broadcast_object((sched, shape))
+            return self.runner.launch(sched, shape)
         except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
             err = self._failed(e)
             if err is e:
@@ -271,13 +273,14 @@ def worker_loop(runner, tp: TPGroup) -> None:
     inflight = None
     while True:
         try:
-            sched = tp.broadcast_object()
+            msg = tp.broadcast_object()
         except RuntimeError as e:  # rank 0's sockets closed: it died; nothing left to serve
             raise TensorParallelError(f"rank {tp.rank}: lost rank 0 ({e})") from None
-        if sched is None:
+        if msg is None:
             tp.control_barrier()  # pairs with rank 0's close()
             break
-        handle = runner.launch(sched)
+        sched, shape = msg
+        handle = runner.launch(sched, shape)
         # Like rank 0's overlap loop: collect the previous step once the next is launched; the
         # handle keeps that step's inputs alive until then.
         if inflight is not None:

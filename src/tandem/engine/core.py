@@ -87,8 +87,10 @@ class EngineCore:
         spec = getattr(self.engine.runner, "spec", None)
         if spec is not None:
             s = spec.stats
+            policy = spec.policy
             stats.spec = ipc.SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                          list(s.accepted_per_position), s.mean_accept_length)
+                                          list(s.accepted_per_position), s.mean_accept_length, list(s.steps_by_depth),
+                                          list(policy.acceptance) if policy is not None else [])
         return stats
 
     def _ready(self) -> ipc.CoreReady:

@@ -40,6 +40,7 @@ class EngineArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
+    speculative_adaptive: str = "on"  # on: choose the draft depth per step (speculative/policy.py); off: fixed
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
     disable_cuda_graph: bool = False  # GPU only: replay captured decode steps instead of launching them
@@ -106,7 +107,7 @@ class Engine:
             scheduler=SchedulerConfig(max_model_len, args.max_running_requests, args.chunked_prefill_size),
             speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_draft_model_path,
                                           args.speculative_num_steps, args.speculative_eagle_topk,
-                                          args.speculative_num_draft_tokens),
+                                          args.speculative_num_draft_tokens, args.speculative_adaptive),
             attention_backend=args.attention_backend or default_attention_backend(device),
             disable_overlap_schedule=args.disable_overlap_schedule,
             disable_plan_stream=args.disable_plan_stream,
@@ -229,7 +230,7 @@ class Engine:
                 # Counted only for steps whose tokens were used (overlap may run one step too many).
                 req.spec_accept_lengths.append(accept_len)
                 spec = self.runner.spec
-                spec.stats.record(accept_len, spec.num_draft_tokens - 1, result.spec_max_depth)
+                spec.stats.record(accept_len, result.spec_num_proposed, result.spec_max_depth)
             before = len(req.output_token_ids) - len(new_ids)
             if not req.is_finished and self._hit_stop_string(req, len(new_ids)):
                 self.scheduler.finish_request(rid, FinishReason.STOP)

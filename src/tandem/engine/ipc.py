@@ -65,6 +65,8 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     mean_accept_length: float = 0.0
+    steps_by_depth: list[int] = field(default_factory=list)  # engine steps per chosen draft depth (0..D)
+    estimated_acceptance: list[float] = field(default_factory=list)  # the adaptive policy's a_1..a_D
 
 
 @dataclass

@@ -30,6 +30,7 @@ from tandem.runtime.step_result import StepResult, collect_logprobs
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.speculative.drafter import Drafter
 from tandem.speculative.mtp_drafter import MTPDrafter, MTPStatePool
+from tandem.speculative.policy import DepthPolicy
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.worker import SpecWorker
 from tandem.scheduler.outputs import SchedulerOutput
@@ -131,10 +132,13 @@ class ModelRunner:
             logger.warning("CUDA graphs are not implemented for MTP drafting: its decode steps run eagerly")
             return
         else:
-            pool = self.spec.pool
-            functions = self.spec.phases.build_graphs(self.spec, pool.staging_pages.shape[1] * self.page_size,
-                                                      self._draft_feature_size(self.spec.drafter.model))
+            spec = self.spec
+            shapes = spec.policy.options if spec.policy is not None else [spec.phases.configured]
+            functions = spec.phases.build_graphs(spec, spec.pool.staging_pages.shape[1] * self.page_size,
+                                                 self._draft_feature_size(spec.drafter.model), shapes)
         capture_all(functions, sizes, self.device)
+        if self.spec is not None and self.spec.policy is not None and self.device.type == "cuda":
+            self.spec.time_graphed_iterations()
 
     def _decode_forward(self, input_ids, positions, slots, from_device, page_rows, features: SamplingFeatures):
         """One decode step of one-token rows, sampling included: (tokens [B], logits [B, V])."""
@@ -212,7 +216,14 @@ class ModelRunner:
                               spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
                             device_module=self.device_module, faults=self.stream_faults)
-        return SpecWorker(self, drafter, spec.num_draft_tokens, streams, self.sampling)
+        policy = None
+        if spec.adaptive == "on":
+            if spec.algorithm == "MTP":
+                logger.info("adaptive speculation is not implemented for MTP drafting: it drafts %d steps always",
+                            spec.num_steps)
+            else:
+                policy = DepthPolicy(spec.num_steps, tree=spec.eagle_topk > 1)
+        return SpecWorker(self, drafter, spec.num_draft_tokens, streams, self.sampling, policy)
 
     def _pages_that_fit(self, draft) -> int:
         per_page = KVCache.bytes_per_page(self.arch.num_layers, self.page_size, self.num_kv_heads,
@@ -277,7 +288,12 @@ class ModelRunner:
         return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, sample_positions, future_rows,
                          future_slots)
 
-    def launch(self, sched: SchedulerOutput):
+    def choose_draft_shape(self, sched: SchedulerOutput):
+        """The draft shape of this step's verify rows (adaptive speculation), or None: the runner's own
+        choice. Tensor parallelism asks rank 0 and hands its answer to every rank."""
+        return None if self.spec is None else self.spec.choose_shape(sched)
+
+    def launch(self, sched: SchedulerOutput, draft_shape=None):
         """Starts one step and returns a handle whose results arrive later (`collect`), so the
         engine can schedule the next step meanwhile (overlap)."""
         self.drop_requests(sched.preempted_ids)
@@ -287,7 +303,7 @@ class ModelRunner:
             self.spec.drop_requests(sched.finished_ids)
             if not sched.chunks:
                 return None
-            return self.spec.launch(sched)
+            return self.spec.launch(sched, draft_shape)
         if not sched.chunks:
             return None
         return self._launch_plain(sched)

@@ -13,6 +13,7 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
     spec_max_depth: int = 0
+    spec_num_proposed: int = 0  # draft tokens each verify row proposed this step
 
 
 def collect_logprobs(wanted: dict[str, int], request_ids, tokens, lens, chosen, top_v, top_i, result: StepResult

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tandem.engine.ipc import EngineStats
 
@@ -130,3 +130,19 @@ class _EngineCollector:
         yield gauge("tandem:spec_decode_mean_accept_length",
                     "Mean tokens per verify step (accepted drafts + 1) since the replica started",
                     lambda r, s: s.spec.mean_accept_length if s.spec else 0.0)
+        depth = HistogramMetricFamily("tandem:spec_decode_draft_depth",
+                                      "Draft depth the adaptive policy chose, per engine step (0: no draft)",
+                                      labels=["replica"])
+        for label, s in stats:
+            counts = s.spec.steps_by_depth if s.spec else []
+            buckets = [(str(d), float(sum(counts[:d + 1]))) for d in range(len(counts))] + [("+Inf", float(sum(counts)))]
+            depth.add_metric([label], buckets, float(sum(d * c for d, c in enumerate(counts))))
+        yield depth
+        estimated = GaugeMetricFamily("tandem:spec_decode_estimated_acceptance",
+                                      "The adaptive policy's acceptance rate of each draft position given the one "
+                                      "before it (0 = first), a moving average over recent verify steps",
+                                      labels=["replica", "position"])
+        for label, s in stats:
+            for pos, rate in enumerate(s.spec.estimated_acceptance if s.spec else []):
+                estimated.add_metric([label, str(pos)], rate)
+        yield estimated

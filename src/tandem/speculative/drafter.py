@@ -105,11 +105,14 @@ class Drafter:
 
     # ---- decode: tree drafting and extend from device state --------------------------------
     def draft_tree(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int,
-                   num_draft_tokens: int) -> DraftTree:
-        """Expands a top-k tree per request with `num_steps - 1` draft forwards (main stream)."""
+                   num_draft_tokens: int, chain_depth: int | None = None) -> DraftTree:
+        """Expands a top-k tree per request with `num_steps - 1` draft forwards (main stream); with
+        `chain_depth`, a chain of that many drafts instead (the adaptive policy's shorter options)."""
         pool, k = self.pool, self.topk
+        if chain_depth is not None:
+            return self._draft_chain(slots, page_rows, kv_bound, chain_depth)
         if k == 1 and num_draft_tokens == self.num_steps + 1:
-            return self._draft_chain(slots, page_rows, kv_bound)
+            return self._draft_chain(slots, page_rows, kv_bound, self.num_steps)
         builder = TreeBuilder(pool.verified_id[slots], pool.topk_logp[slots], pool.topk_ids[slots])
         base = pool.draft_entries[slots]  # [B]
         b = slots.shape[0]
@@ -125,22 +128,25 @@ class Drafter:
             parent_hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))
         return builder.build(num_draft_tokens)
 
-    def _draft_chain(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int) -> DraftTree:
-        """`draft_tree` for topk 1 with every drafted token kept: the same forwards and tokens, without
-        the tree builder's scoring and selection (a few dozen small kernels per iteration)."""
+    def _draft_chain(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int, depth: int) -> DraftTree:
+        """A chain of `depth` drafts (top-1 at each step; depth 0: the root alone): the same forwards and
+        tokens as a topk-1 tree, without the tree builder's scoring and selection."""
         pool = self.pool
+        root = pool.verified_id[slots]
+        if depth == 0:
+            return chain_tree(root, root.new_empty(root.shape[0], 0))
         base = pool.draft_entries[slots]  # [B]
-        token = pool.topk_ids[slots]  # [B, 1]: d_1, kept by the last extend
+        token = pool.topk_ids[slots][:, :1]  # [B, 1]: d_1 (the best of the kept top-k), kept by the last extend
         hidden = pool.draft_hidden[slots]  # [B, H]
         drafts = [token[:, 0]]
         # A chain's keys are a plain run of positions: one slot window serves every step.
         window = plan.draft_window(page_rows, kv_bound + self.num_steps - 1, self.page_size)
-        for depth in range(1, self.num_steps):
-            metadata, positions = plan.chain_step_metadata(window, base, depth)
+        for step in range(1, depth):
+            metadata, positions = plan.chain_step_metadata(window, base, step)
             hidden = self.model(token.reshape(-1), positions, hidden, self._ctx(metadata), hidden_is_target=False)
-            _, token = self._topk(hidden)
+            token = self._topk(hidden)[1][:, :1]
             drafts.append(token[:, 0])
-        return chain_tree(pool.verified_id[slots], torch.stack(drafts, dim=1))
+        return chain_tree(root, torch.stack(drafts, dim=1))
 
     def extend(self, slots, metadata, tokens: torch.Tensor, features: torch.Tensor | None,
                accept_lens: torch.Tensor, first_pos: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.speculative import plan
+from tandem.speculative.policy import DraftShape
 from tandem.speculative.tree import DraftTree, ancestor_mask, chain_ancestor_mask
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,22 @@ class SpecPhases:
         self.tree_max_depth = 0  # of a graphed draft tree (shapes of verify/extend)
         # Every tree is a chain (top-1 drafting): the verify mask is a constant triangle.
         self.chain = getattr(drafter, "topk", 1) == 1
+        # The configured shape: the only one the phase graphs below are captured for.
+        self.configured = DraftShape(drafter.num_steps, tree=not self.chain)
+
+    def num_nodes(self, shape: DraftShape) -> int:
+        return self.num_draft_tokens if shape.tree else shape.depth + 1
 
     # ---- the phases, eager ------------------------------------------------------------------
-    def verify_forward(self, tokens, parents, depths, seq_lens, node_slots, node_cols, kv_slots, prefix_mask):
+    def verify_forward(self, tokens, parents, depths, seq_lens, node_slots, node_cols, kv_slots, prefix_mask,
+                       chain: bool | None = None):
         """The target over each row's tree: returns logits [B, N, V], hidden [B, N, H] and the
         auxiliary states the draft wants, each [B, N, H]."""
         runner = self.runner
         b, n = tokens.shape
         vplan = plan.VerifyPlan(seq_lens, node_slots, node_cols, kv_slots, prefix_mask)
-        ancestors = chain_ancestor_mask(b, n, tokens.device) if self.chain else ancestor_mask(parents)
+        chain = self.chain if chain is None else chain
+        ancestors = chain_ancestor_mask(b, n, tokens.device) if chain else ancestor_mask(parents)
         metadata = plan.verify_metadata(vplan, ancestors)
         positions = (seq_lens[:, None] + depths).reshape(-1)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
@@ -68,30 +76,38 @@ class SpecPhases:
     def graphed(self, batch_size: int) -> bool:
         return bool(self.graphs) and self.graphs["verify"].fits(batch_size)
 
-    def iteration_graphed(self, batch_size: int, features: SamplingFeatures) -> bool:
-        graph = self.graphs.get(_iteration_key(features))
+    def iteration_graph(self, features: SamplingFeatures, shape: DraftShape) -> GraphedFunction | None:
+        return self.graphs.get(_iteration_key(features, shape))
+
+    def iteration_graphed(self, batch_size: int, features: SamplingFeatures, shape: DraftShape) -> bool:
+        graph = self.iteration_graph(features, shape)
         return graph is not None and graph.fits(batch_size)
 
-    def iteration(self, features: SamplingFeatures, slots, page_rows, coins, use_coins):
+    def iteration(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, coins, use_coins):
         """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
-        return self.graphs[_iteration_key(features)](slots, page_rows, coins, use_coins)
+        return self.graphs[_iteration_key(features, shape)](slots, page_rows, coins, use_coins)
 
-    def draft_tree(self, slots, page_rows, kv_bound: int) -> DraftTree:
-        if not self.graphed(slots.shape[0]):
-            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_draft_tokens)
+    def draft_tree(self, slots, page_rows, kv_bound: int, shape: DraftShape) -> DraftTree:
+        if shape != self.configured or not self.graphed(slots.shape[0]):
+            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_nodes(shape),
+                                           None if shape.tree else shape.depth)
         tokens, parents, depths = self.graphs["draft_tree"](slots, page_rows)
         return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth, chain=self.chain)
 
     def verify(self, tree: DraftTree, vplan: plan.VerifyPlan):
         args = (tree.tokens, tree.parents, tree.depths, vplan.seq_lens, vplan.node_slots, vplan.node_cols,
                 vplan.kv_slots, vplan.prefix_mask)
-        out = self.graphs["verify"](*args) if self.graphed(tree.tokens.shape[0]) else self.verify_forward(*args)
+        configured = tree.tokens.shape[1] == self.num_draft_tokens and tree.chain == self.chain
+        if configured and self.graphed(tree.tokens.shape[0]):
+            out = self.graphs["verify"](*args)
+        else:
+            out = self.verify_forward(*args, chain=tree.chain)
         logits, hidden, *aux = out
         return logits, hidden.reshape(-1, hidden.shape[-1]), [a.reshape(-1, a.shape[-1]) for a in aux]
 
     def extend(self, slots, metadata, tokens, features, accept_lens, first_pos) -> None:
         b, q = tokens.shape
-        if not self.graphed(b):
+        if q != self.tree_max_depth + 1 or not self.graphed(b):
             self.drafter.extend(slots, metadata, tokens, features, accept_lens, first_pos)
             return
         args = [slots, tokens, features, accept_lens, first_pos, metadata.slot_mapping.view(b, q),
@@ -101,10 +117,10 @@ class SpecPhases:
         self.graphs["extend"](*args)
 
     # ---- capture -----------------------------------------------------------------------------
-    def build_graphs(self, worker, kv_width: int, feature_size: int | None) -> list[GraphedFunction]:
+    def build_graphs(self, worker, kv_width: int, feature_size: int | None, shapes) -> list[GraphedFunction]:
         """Declares the graphs (captured by the caller with the runner's other graphs): the three
-        phases, for rows that need the host mid-iteration (sampling, penalties, logprobs), and the
-        whole iteration for greedy rows."""
+        phases of the configured shape, for steps that run them eagerly between (penalties, logprobs),
+        and the whole iteration for every sampling kind and every draft shape the policy can choose."""
         runner, drafter = self.runner, self.drafter
         pool = drafter.pool
         self.graph_kv_width = kv_width
@@ -143,15 +159,18 @@ class SpecPhases:
                 return self._extend_fn(slots, tokens, None, *rest)
         self.graphs["extend"] = GraphedFunction("draft extend", fn, ext, device)
 
-        for features in GRAPHED_SAMPLING:
-            def iteration(slots, page_rows, coins, use_coins, features=features):
-                return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features)
+        for shape in shapes:
+            for features in GRAPHED_SAMPLING:
+                def iteration(slots, page_rows, coins, use_coins, features=features, shape=shape):
+                    return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features, shape)
 
-            self.graphs[_iteration_key(features)] = GraphedFunction(f"whole iteration ({features.name})", iteration, [
-                GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
-                GraphInput((n,), torch.bool, False), GraphInput((), torch.bool, False)], device)
+                self.graphs[_iteration_key(features, shape)] = GraphedFunction(
+                    f"whole iteration ({features.name}, {shape.name})", iteration, [
+                        GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
+                        GraphInput((self.num_nodes(shape),), torch.bool, False), GraphInput((), torch.bool, False)],
+                    device)
         return list(self.graphs.values())
 
 
-def _iteration_key(features: SamplingFeatures) -> str:
-    return f"iteration:{features.name}"
+def _iteration_key(features: SamplingFeatures, shape: DraftShape) -> str:
+    return f"iteration:{features.name}:{shape.name}"

@@ -24,6 +24,7 @@ penalties, logprobs) keep the choreography above, with the three phases graphed 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.speculative import plan
 from tandem.speculative.drafter import Drafter, PrefillFeed
 from tandem.speculative.phases import SpecPhases
+from tandem.speculative.policy import DepthPolicy, DraftShape
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import AcceptResult, accept_target_tokens
 
@@ -50,6 +52,7 @@ class SpecStats:
     num_draft_tokens: int = 0  # draft tokens proposed (tree nodes besides the root)
     num_accepted_tokens: int = 0  # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] -> accepted count
+    steps_by_depth: list[int] = field(default_factory=list)  # [depth] -> engine steps that drafted that deep
 
     def record(self, accept_len: int, num_proposed: int, max_depth: int) -> None:
         self.num_drafts += 1
@@ -59,6 +62,11 @@ class SpecStats:
             self.accepted_per_position += [0] * (max_depth - len(self.accepted_per_position))
         for d in range(accept_len - 1):
             self.accepted_per_position[d] += 1
+
+    def record_step(self, depth: int) -> None:
+        if len(self.steps_by_depth) <= depth:
+            self.steps_by_depth += [0] * (depth + 1 - len(self.steps_by_depth))
+        self.steps_by_depth[depth] += 1
 
     @property
     def mean_accept_length(self) -> float:
@@ -79,11 +87,16 @@ class SpecStepHandle:
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     logprobs_wanted: dict[str, int] = field(default_factory=dict)
     max_depth: int = 0
+    shape: DraftShape | None = None  # what the verify rows drafted
+    padded_batch: int = 0  # the batch size the policy keys its cost table by
+    launched_at: float = 0.0  # host clock at launch (the policy's step timing)
+    launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     keep_alive: list = field(default_factory=list)
 
 
 class SpecWorker:
-    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet, sampling: SamplingState):
+    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, streams: StreamSet, sampling: SamplingState,
+                 policy: DepthPolicy | None = None):
         self.runner = runner  # target model, KV cache, attention backend
         self.drafter = drafter
         self.phases = SpecPhases(runner, drafter, num_draft_tokens)  # eager, or CUDA graphs once captured
@@ -94,25 +107,63 @@ class SpecWorker:
         self.stats = SpecStats()
         self.ready: set[str] = set()  # requests whose draft state can start a tree
         self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
+        self.policy = policy  # None: always the configured shape (--speculative-adaptive off)
+        self._last_collect = 0.0
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
             self.ready.discard(rid)
         self.pool.release(request_ids)
+        if self.policy is not None:
+            self.policy.forget(request_ids)
+
+    def time_graphed_iterations(self, replays: int = 5) -> None:
+        """Seeds the policy's cost table: each draft shape's greedy whole-iteration graph, replayed at each
+        captured batch size on padded rows only (they touch only the sink page and the pad row)."""
+        from tandem.layers.sampler import GREEDY
+
+        device = self.runner.device
+        for shape in self.policy.options:
+            graph = self.phases.iteration_graph(GREEDY, shape)
+            for bs in sorted(graph.graphs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                graph.graphs[bs].replay()
+                start.record()
+                for _ in range(replays):
+                    graph.graphs[bs].replay()
+                end.record()
+                end.synchronize()
+                self.policy.observe_time(bs, shape, start.elapsed_time(end) / replays, weight=1.0)
+        torch.cuda.synchronize(device)
+
+    def padded_batch(self, b: int) -> int:
+        graph = self.phases.graphs.get("verify")
+        return min((s for s in graph.graphs if s >= b), default=b) if graph is not None else b
 
     def is_verify(self, c: ScheduledChunk) -> bool:
         return c.is_future or (c.sample and len(c.token_ids) == 1 and c.start_pos > 0 and c.request_id in self.ready)
 
     # ---- launch ------------------------------------------------------------------------------
+    def choose_shape(self, sched: SchedulerOutput) -> DraftShape | None:
+        """What this step's verify rows draft: the policy's choice for them (None without verify rows or
+        without a policy). Call before `launch` and drop requests first (tensor parallelism does both)."""
+        self.drop_requests(sched.preempted_ids)
+        self.drop_requests(sched.finished_ids)
+        verify = [c.request_id for c in sched.chunks if self.is_verify(c)]
+        if self.policy is None or not verify:
+            return None
+        return self.policy.choose(verify, self.padded_batch(len(verify)))
+
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> SpecStepHandle:
+    def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
+        """Enqueues one step. `shape`: what the verify rows draft (default: `choose_shape`'s answer)."""
         s = self.streams
-        handle = SpecStepHandle(sched.iteration)
+        handle = SpecStepHandle(sched.iteration, launched_at=time.perf_counter())
         verify_chunks = [c for c in sched.chunks if self.is_verify(c)]
         prefill_chunks = [c for c in sched.chunks if not self.is_verify(c)]
         outputs: dict[str, torch.Tensor] = {}
         if verify_chunks:
-            self._launch_verify(verify_chunks, handle, outputs)
+            self._launch_verify(verify_chunks, handle, outputs, shape or self.choose_shape(sched))
         if prefill_chunks:
             self._launch_prefill(prefill_chunks, handle, outputs)
         handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sched.chunks
@@ -120,21 +171,25 @@ class SpecWorker:
         handle.seq_lens_ready = s.record("main", "seq_lens_ready")
         self._copy_results(handle, outputs)
         self._last = handle
+        handle.launch_ms = 1e3 * (time.perf_counter() - handle.launched_at)
         return handle
 
-    def _launch_verify(self, chunks, handle: SpecStepHandle, outputs) -> None:
+    def _launch_verify(self, chunks, handle: SpecStepHandle, outputs, shape: DraftShape | None) -> None:
         s, runner, pool = self.streams, self.runner, self.pool
-        ps, n_nodes = runner.page_size, self.num_draft_tokens
         it = handle.iteration
         b = len(chunks)
         features = SamplingFeatures.of([c.sampling_params for c in chunks])
+        handle.verify_ids = [c.request_id for c in chunks]
+        handle.padded_batch = self.padded_batch(b)
+        shape = shape or self.phases.configured
+        handle.shape = shape
+        ps, n_nodes = runner.page_size, self.phases.num_nodes(shape)
         # A CUDA graph was captured for one KV window, the widest; eager steps use their own bound.
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
-        handle.verify_ids = [c.request_id for c in chunks]
-        if self.phases.iteration_graphed(b, features):
-            self._launch_verify_graphed(b, features, handle, outputs)
+        if self.phases.iteration_graphed(b, features, shape):
+            self._launch_verify_graphed(b, features, shape, handle, outputs)
             return
 
         # Plan stream: upload, then the verify plan.
@@ -159,7 +214,7 @@ class SpecWorker:
         # Main stream: draft the tree while the plan stream works.
         s.wait("main", table_ready)
         s.read(f"page_rows[{it}]", "main")
-        tree = self.phases.draft_tree(slots, page_rows, kv_bound)
+        tree = self.phases.draft_tree(slots, page_rows, kv_bound, shape)
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
         logits, hidden, aux = self.phases.verify(tree, vplan)  # [B, N, V], [B*N, H], [B*N, H] each
@@ -218,7 +273,8 @@ class SpecWorker:
         if feature is None:
             return None
         b = accept.path.shape[0]
-        rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * self.num_draft_tokens
+        n = hidden.shape[0] // b  # tree nodes per row
+        rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n
         return feature[rows]
 
     def _synthetic_coins(self, tree: DraftTree):
@@ -245,7 +301,8 @@ class SpecWorker:
             pool.staging_pages[i, : len(c.page_ids)] = torch.tensor(c.page_ids)
 
     # ---- the whole iteration as one CUDA graph -----------------------------------------------
-    def _launch_verify_graphed(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs) -> None:
+    def _launch_verify_graphed(self, b: int, features: SamplingFeatures, shape: DraftShape, handle: SpecStepHandle,
+                               outputs) -> None:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
         pool's device state, so there is nothing for the plan stream to prepare in parallel."""
         s, pool, device = self.streams, self.pool, self.runner.device
@@ -256,34 +313,35 @@ class SpecWorker:
         page_rows = pool.staging_pages[:b].to(device, non_blocking=True, copy=True)
         handle.staging_released = s.record("main", "staging_released")
         synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _synthetic_coins)
-        shape = (b, self.num_draft_tokens)
+        coin_shape = (b, self.phases.num_nodes(shape))
         if synthetic is not None:
-            coins = synthetic.coins(shape, device)
+            coins = synthetic.coins(coin_shape, device)
         else:
-            coins = torch.zeros(shape, dtype=torch.bool, device=device)
+            coins = torch.zeros(coin_shape, dtype=torch.bool, device=device)
         use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
-        accept_lens, out_tokens = self.phases.iteration(features, slots, page_rows, coins, use_coins)
-        handle.max_depth = self.phases.tree_max_depth
+        accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins)
+        handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
 
-    def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int, features: SamplingFeatures):
+    def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int, features: SamplingFeatures,
+                         shape: DraftShape):
         """One speculative iteration from device state alone (the body of the whole-iteration graph):
         draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
         same phases with the plan stream preparing metadata beside the draft."""
         pool, drafter = self.pool, self.drafter
-        n, ps = self.num_draft_tokens, self.runner.page_size
+        n, ps = self.phases.num_nodes(shape), self.runner.page_size
         # Padded rows share the pool's pad row; start it from zero so their positions stay small.
         pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (a kernel: no host value inside a capture)
         pool.draft_entries[pool.pad_slot:pool.pad_slot + 1].zero_()
         seq_lens = pool.seq_lens[slots]
         vplan = plan.plan_verify(page_rows, seq_lens, n, kv_bound, ps)
-        tree = drafter.draft_tree(slots, page_rows, kv_bound, n)
+        tree = drafter.draft_tree(slots, page_rows, kv_bound, n, None if shape.tree else shape.depth)
         logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
-                                                          vplan.prefix_mask)
+                                                          vplan.prefix_mask, chain=tree.chain)
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins))
         first_pos = seq_lens + 1 - drafter.model.token_offset
         ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
@@ -447,10 +505,28 @@ class SpecWorker:
                 result.sampled[rid] = outs[i][:k]
                 result.accept_lengths[rid] = k
             result.spec_max_depth = handle.max_depth
+            result.spec_num_proposed = self.phases.num_nodes(handle.shape) - 1
+            self.stats.record_step(handle.shape.depth)
+            self._inform_policy(handle, lens)
             if "verify_logprob" in host:
                 collect_logprobs(handle.logprobs_wanted, handle.verify_ids, outs, lens, host["verify_logprob"],
                                  host["verify_top_v"], host["verify_top_i"], result)
         handle.keep_alive.clear()
+
+    def _inform_policy(self, handle: SpecStepHandle, lens: list[int]) -> None:
+        """Accept lengths and this step's time, for steps without prefill rows (they would count prefill
+        time). On a GPU the time between consecutive results while the engine is busy (from launch
+        otherwise): what throughput sees, host and device. On a CPU launching runs the step."""
+        now = time.perf_counter()
+        started = max(handle.launched_at, self._last_collect)
+        self._last_collect = now
+        if self.policy is None:
+            return
+        for rid, k in zip(handle.verify_ids, lens):
+            self.policy.observe_accept(rid, handle.shape, k)
+        if not handle.prefill_ids:
+            ms = 1e3 * (now - started) if self.runner.device.type == "cuda" else handle.launch_ms
+            self.policy.observe_time(handle.padded_batch, handle.shape, ms)
 
 
 def predicted_positions(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:

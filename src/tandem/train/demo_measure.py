@@ -20,7 +20,8 @@ SAMPLED_TEMPERATURE = 0.7
 
 def spec_kwargs(draft_dir: str, drafting: str) -> dict:
     shape = DRAFTING[drafting]
-    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft_dir,
+    # A fixed shape: this measures the head at its configured depth, not the adaptive policy's choices.
+    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft_dir, "speculative_adaptive": "off",
             **{f"speculative_{k}": v for k, v in shape.items()}}
 
 

@@ -38,7 +38,9 @@ def evaluate_acceptance(target_path: str, draft_path: str, prompts: Sequence[Seq
     longest = max(len(p) for p in prompts) if token_prompts else None
     kwargs = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": draft_path,
               "speculative_num_steps": num_steps, "speculative_eagle_topk": topk,
-              "speculative_num_draft_tokens": num_draft_tokens, **engine_kwargs}
+              "speculative_num_draft_tokens": num_draft_tokens,
+              "speculative_adaptive": "off",  # the head's acceptance at this depth, not the policy's choices
+              **engine_kwargs}
     if longest is not None and "context_length" not in kwargs:
         kwargs["context_length"] = longest + max_new_tokens + 1  # keeps the CPU KV pool small
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)

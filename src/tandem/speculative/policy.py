@@ -1,0 +1,116 @@
+"""Adaptive speculation: each step, the draft shape that maximises expected tokens per second.
+
+The options are chains of depth d = 0, 1, ..., num_steps (d = 0: the target verifies the root alone, a
+plain decode step whose draft extend keeps the draft's state in sync, so drafting resumes next step at
+no extra cost) and, when the configured drafting is a tree (topk > 1), that tree. For the batch about to
+run the policy picks the option with the most expected tokens per millisecond:
+
+    expected tokens of a request at depth d = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d
+
+where a_j is the acceptance rate of draft position j given that position j - 1 was accepted: an
+exponentially weighted average over recent verify steps, the request's own once it has enough
+observations and the engine's otherwise. A tree's expected tokens are the weighted average of its own
+accept lengths. Time is the measured time of an iteration of that option at the batch's padded size:
+timed at start-up when graphs are captured, refined by every step's measured time.
+
+Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
+Only the steps' cost and the accept lengths depend on the choice. Pure Python: unit-tested with a
+hand-made cost table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What one step drafts: a chain of `depth` tokens, or the configured tree."""
+
+    depth: int
+    tree: bool = False
+
+    @property
+    def name(self) -> str:
+        return "tree" if self.tree else f"chain{self.depth}"
+
+
+class DepthPolicy:
+    def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
+                 probe_every: int = 32, prior: float = 0.6):
+        """decay: weight of each new observation in the averages; min_request_obs: observations before a
+        request's own acceptance replaces the engine's; probe_every: while a shorter option is chosen,
+        every this many steps of a batch size run the deepest option once so its acceptance stays known;
+        prior: the acceptance assumed before any observation."""
+        self.num_steps = num_steps
+        self.options = [DraftShape(d) for d in range(num_steps + 1)] + ([DraftShape(num_steps, True)] if tree else [])
+        self.deepest = self.options[-1]
+        self.decay = decay
+        self.min_request_obs = min_request_obs
+        self.probe_every = probe_every
+        self.acceptance = [prior] * num_steps  # engine-wide a_1..a_D
+        self.tree_tokens = 1.0 + sum(prior ** j for j in range(1, num_steps + 1))  # EWMA of tree accept lengths
+        self._requests: dict[str, tuple[list[float], int]] = {}  # request id -> (a_1..a_D, observations)
+        self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
+        self._last_choice: dict[int, DraftShape] = {}
+        self._steps_since_probe: dict[int, int] = {}
+
+    # ---- what the engine tells it ----------------------------------------------------------------------
+    def observe_accept(self, request_id: str, shape: DraftShape, accept_len: int) -> None:
+        """One verify step of one request: accept_len tokens (accepted drafts + 1) from `shape`."""
+        if shape.tree:
+            self.tree_tokens += self.decay * (accept_len - self.tree_tokens)
+            return
+        own, count = self._requests.get(request_id) or (list(self.acceptance), 0)
+        # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
+        for j in range(1, min(accept_len, shape.depth) + 1):
+            hit = 1.0 if j < accept_len else 0.0
+            self.acceptance[j - 1] += self.decay * (hit - self.acceptance[j - 1])
+            own[j - 1] += self.decay * (hit - own[j - 1])
+        self._requests[request_id] = (own, count + (shape.depth > 0))
+
+    def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None) -> None:
+        key = (padded_batch, shape)
+        old = self.cost_ms.get(key)
+        self.cost_ms[key] = ms if old is None else old + (weight or self.decay) * (ms - old)
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    # ---- the choice ------------------------------------------------------------------------------------
+    def expected_tokens(self, request_ids, shape: DraftShape) -> float:
+        """Sum over the batch of each request's expected tokens from one step of `shape`."""
+        if shape.tree:
+            return self.tree_tokens * len(request_ids)
+        total = 0.0
+        for rid in request_ids:
+            own, count = self._requests.get(rid) or (None, 0)
+            rates = own if count >= self.min_request_obs else self.acceptance
+            run, tokens = 1.0, 1.0
+            for j in range(shape.depth):
+                run *= rates[j]
+                tokens += run
+            total += tokens
+        return total
+
+    def choose(self, request_ids, padded_batch: int) -> DraftShape:
+        """The option with the most expected tokens per ms at this padded batch size. An option never
+        timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
+        keeps its acceptance known while shorter ones win."""
+        untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
+        if untimed:
+            return untimed[-1]
+        best = max(self.options, key=lambda s: self.expected_tokens(request_ids, s) / self.cost_ms[(padded_batch, s)])
+        if self._last_choice.get(padded_batch) != best:
+            logger.info("adaptive speculation: batch %d now drafts %s (acceptance per position %s)",
+                        padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
+            self._last_choice[padded_batch] = best
+        steps = self._steps_since_probe.get(padded_batch, 0) + 1
+        if best != self.deepest and steps >= self.probe_every:
+            best, steps = self.deepest, 0
+        self._steps_since_probe[padded_batch] = steps
+        return best

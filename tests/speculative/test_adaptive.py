@@ -1,0 +1,113 @@
+"""Adaptive speculation end to end: whatever depth each step drafts, greedy output is plain greedy output
+and seeded sampled output is plain seeded output. A stand-in policy cycles through every option (chains
+of depth 0..num_steps, and the tree) so every shape runs, for every draft kind, chain and tree
+configurations, overlap on and off, under the stream-order checker; then the real policy, which must
+settle on the full depth when every draft is accepted (the target drafting for itself)."""
+
+import pytest
+
+from tandem import Engine, SamplingParams
+from tandem.speculative.policy import DepthPolicy
+from tests.speculative.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.test_seeded_speculative import BATCH, params_mix, plain_seeded  # noqa: F401 (fixture)
+from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
+
+
+class CyclingPolicy(DepthPolicy):
+    """Every option in turn, whatever the costs: coverage, not speed."""
+
+    def __init__(self, base: DepthPolicy):
+        super().__init__(base.num_steps, tree=base.deepest.tree)
+        self.turn = 0
+
+    def choose(self, request_ids, padded_batch):
+        self.turn += 1
+        return self.options[self.turn % len(self.options)]
+
+
+def engine(spec_models, kind, shape, **extra):
+    alg = "STANDALONE" if kind == "SELF" else kind
+    e = Engine(spec_models["target"], speculative_algorithm=alg, speculative_draft_model_path=spec_models[kind],
+               **shape, **{**ENGINE, **extra})
+    e.runner.spec.policy = CyclingPolicy(e.runner.spec.policy)
+    return e
+
+
+def greedy():
+    return SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3", "STANDALONE"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_every_depth_keeps_greedy_output(spec_models, reference, kind, shape, overlap, monkeypatch):
+    from tests.speculative.test_streams import RecordingDeviceModule
+
+    monkeypatch.setenv("TANDEM_STREAM_CHECK", "1")
+    with engine(spec_models, kind, shape, disable_overlap_schedule=not overlap,
+                _runner_hooks={"device_module": RecordingDeviceModule()}) as e:
+        outs = e.generate(input_ids=PROMPTS[:12], sampling_params=greedy())
+        for i, (out, want) in enumerate(zip(outs, reference)):
+            assert out.token_ids == want, f"{kind}: prompt {i} differs"
+        stats = e.runner.spec.stats
+        steps_by_depth = stats.steps_by_depth
+        assert len(steps_by_depth) == shape["speculative_num_steps"] + 1 and all(steps_by_depth), steps_by_depth
+        assert stats.num_drafts == sum(len(o.spec_accept_lengths) for o in outs)
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+
+
+def test_every_depth_keeps_seeded_output(spec_models, plain_seeded):
+    with engine(spec_models, "EAGLE3", TREE) as e:
+        outs = e.generate(input_ids=BATCH, sampling_params=params_mix())
+    assert [o.token_ids for o in outs] == plain_seeded
+
+
+def test_every_depth_through_emulated_graphs(spec_models, reference, monkeypatch):
+    """A whole-iteration graph per sampling kind and draft shape: each shape's greedy graph replays."""
+    from tests.speculative.test_cuda_graph_padding import record_padded_sizes
+
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
+    with engine(spec_models, "EAGLE3", TREE, cuda_graph_max_bs=16) as e:
+        phases = e.runner.spec.phases
+        sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
+        outs = e.generate(input_ids=PROMPTS[:12], sampling_params=greedy())
+        assert [o.token_ids for o in outs] == reference[:12]
+        options = e.runner.spec.policy.options
+    for shape in options:
+        assert sizes[f"iteration:greedy:{shape.name}"], f"{shape.name}: its graph never ran"
+
+
+def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models, reference, monkeypatch):
+    """The target drafting for itself: every draft is accepted. Its drafts cost a whole target forward
+    each on a CPU, so the measured costs would (rightly) make depth a toss-up; a GPU-like cost table
+    (drafts cheap next to the verify) is installed and frozen, and the real acceptance observations
+    must lead the policy to the full depth."""
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None: None)
+    with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
+                **CHAIN, **ENGINE) as e:
+        policy = e.runner.spec.policy
+        for bs in range(1, 5):
+            for shape in policy.options:
+                policy.cost_ms[(bs, shape)] = 1.0 + 0.1 * shape.depth
+        outs = e.generate(input_ids=PROMPTS[:4], sampling_params=SamplingParams(
+            max_new_tokens=60, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids[:NEW_TOKENS] for o in outs] == reference[:4]
+        steps = e.runner.spec.stats.steps_by_depth
+    # Every observation was an accept: the averages climb from the prior (0.6) towards 1.
+    assert all(a > 0.7 for a in policy.acceptance), policy.acceptance
+    assert steps[3] > 0 and not any(steps[:3]), steps
+
+
+def test_adaptive_off_drafts_the_configured_depth_only(spec_models):
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                speculative_adaptive="off", **CHAIN, **ENGINE) as e:
+        e.generate(input_ids=PROMPTS[:4], sampling_params=greedy())
+        assert e.runner.spec.policy is None
+        steps = e.runner.spec.stats.steps_by_depth
+    assert steps[3] > 0 and not any(steps[:3])
+
+
+def test_bad_adaptive_value_is_refused(spec_models):
+    with pytest.raises(ValueError, match="speculative_adaptive must be 'on' or 'off'"):
+        Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+               speculative_adaptive="maybe", **CHAIN, **ENGINE)

@@ -1,0 +1,102 @@
+"""The adaptive speculation policy (speculative/policy.py) against expected tokens per millisecond worked
+out by hand from a cost table: it drafts nothing when acceptance is low, the full depth when it is
+high, fewer tokens as the batch (and the verify cost of each draft) grows, and a tree when trees pay."""
+
+import pytest
+
+from tandem.speculative.policy import DepthPolicy, DraftShape
+
+D = 3
+
+
+def policy_with_costs(costs: dict[int, list[float]], tree=False, **kw) -> DepthPolicy:
+    """costs: padded batch -> ms of an iteration at depth 0..D (then the tree's, with tree=True)."""
+    p = DepthPolicy(D, tree=tree, **kw)
+    for bs, row in costs.items():
+        for shape, ms in zip(p.options, row):
+            p.observe_time(bs, shape, ms, weight=1.0)
+    return p
+
+
+def teach(p: DepthPolicy, rate_per_position: list[float], steps=400, rid="r") -> None:
+    """Feeds full-depth verify steps whose accept lengths follow the given conditional rates (deterministic:
+    step i accepts position j while u_i < the running product, u_i an evenly spread, shuffled sequence)."""
+    for i in range(steps):
+        u = (i * 0.6180339887498949 + 0.5) % 1.0
+        run, accepted = 1.0, 0
+        for a in rate_per_position:
+            run *= a
+            if u < run:
+                accepted += 1
+            else:
+                break
+        p.observe_accept(rid, DraftShape(D), accepted + 1)
+
+
+def test_expected_tokens_by_hand():
+    p = DepthPolicy(D, tree=False, prior=0.5)
+    # 1 + 0.5 + 0.25 + 0.125 for one request at depth 3; twice that for two.
+    assert p.expected_tokens(["a"], DraftShape(3)) == pytest.approx(1.875)
+    assert p.expected_tokens(["a", "b"], DraftShape(1)) == pytest.approx(3.0)
+    assert p.expected_tokens(["a"], DraftShape(0)) == 1.0
+
+
+def test_low_acceptance_drafts_nothing():
+    p = policy_with_costs({1: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9)
+    teach(p, [0.05, 0.05, 0.05])
+    # depth 0: 1 / 1.0 = 1.0; depth 1: 1.05 / 1.1 = 0.955: no draft pays.
+    assert p.choose(["r"], 1) == DraftShape(0)
+
+
+def test_high_acceptance_drafts_full_depth():
+    p = policy_with_costs({1: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9)
+    teach(p, [0.9, 0.9, 0.9])
+    # depth 3: (1 + .9 + .81 + .729) / 1.3 = 2.64 per ms, the best.
+    assert p.choose(["r"], 1) == DraftShape(3)
+
+
+def test_depth_falls_as_the_batch_grows():
+    # Batch 1: drafts are nearly free. Batch 64: each verified draft costs half a plain step.
+    p = policy_with_costs({1: [1.0, 1.05, 1.1, 1.15], 64: [1.0, 1.5, 2.0, 2.5]}, probe_every=10**9)
+    teach(p, [0.6, 0.6, 0.6])
+    # By hand with a = 0.6: tokens 1, 1.6, 1.96, 2.176.
+    # batch 1:  1.00, 1.524, 1.782, 1.892 per ms -> depth 3
+    # batch 64: 1.00, 1.067, 0.980, 0.870 per ms -> depth 1
+    rates = p.acceptance
+    assert rates == pytest.approx([0.6, 0.6, 0.6], abs=0.06)  # a moving average over ~20 steps
+    assert p.choose(["r"], 1) == DraftShape(3)
+    assert p.choose(["r"] * 64, 64) == DraftShape(1)
+
+
+def test_untimed_shapes_are_tried_first_and_probes_keep_acceptance_known():
+    p = DepthPolicy(D, tree=False, probe_every=4)
+    seen = []
+    for _ in range(D + 1):  # nothing timed at batch 8: each option once, deepest first
+        shape = p.choose(["r"], 8)
+        seen.append(shape.depth)
+        p.observe_time(8, shape, 1.0 + 10 * shape.depth)  # drafts are ruinous here
+    assert seen == [3, 2, 1, 0]
+    choices = [p.choose(["r"], 8).depth for _ in range(8)]
+    assert choices == [0, 0, 0, 3, 0, 0, 0, 3]  # a probe every 4 steps
+
+
+def test_a_request_with_enough_history_uses_its_own_rates():
+    p = policy_with_costs({2: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9, min_request_obs=8)
+    teach(p, [0.05] * 3, rid="chat")  # the engine-wide average learns from both requests
+    teach(p, [0.95] * 3, steps=80, rid="code")
+    own = p.expected_tokens(["code"], DraftShape(3))
+    assert own > 3.0  # its own rates, not the engine's mixed average
+    assert p.choose(["code", "code"], 2) == DraftShape(3)
+    assert p.choose(["chat", "chat"], 2) == DraftShape(0)
+
+
+def test_tree_is_chosen_when_its_accept_lengths_pay():
+    p = policy_with_costs({1: [1.0, 1.1, 1.2, 1.3, 1.5]}, tree=True, probe_every=10**9)
+    assert p.options[-1] == DraftShape(D, tree=True)
+    teach(p, [0.5, 0.5, 0.5])  # chains: at best (1.875 / 1.3 = 1.44 per ms)
+    for _ in range(400):
+        p.observe_accept("r", DraftShape(D, tree=True), 4)  # the tree accepts everything
+    assert p.choose(["r"], 1) == DraftShape(D, tree=True)  # 4 / 1.5 = 2.67 per ms
+    for _ in range(400):
+        p.observe_accept("r", DraftShape(D, tree=True), 1)
+    assert not p.choose(["r"], 1).tree
