@@ -119,3 +119,33 @@ def test_transformers_model_from_tandems_weights(tmp_path, family):
     ids = torch.tensor([[5, 9, 17, 3, 200, 41]])
     with torch.no_grad():
         assert torch.equal(copy(ids).logits, original(ids).logits)
+
+
+def test_sweep_writes_grid_worst_points_and_heatmaps(tmp_path):
+    """`tandem bench --sweep` on the tiny preset: every grid point has plain, fixed and adaptive runs and
+    the three ratios, the worst points are the minima, and one labelled heatmap PNG per temperature."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "-m", "tandem", "bench", "--sweep", "--preset", "tiny-test",
+                           "--batch-sizes", "1", "3", "--sweep-acceptance", "0", "0.9", "--sweep-temperatures", "0",
+                           "1", "--input-len", "6", "--output-len", "12", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    points = record["points"]
+    assert len(points) == 2 * 2 * 2
+    for p in points:
+        assert {"plain", "fixed", "adaptive"} <= set(p)
+        plain, fixed, adaptive = (p[m]["tokens_per_s"] for m in ("plain", "fixed", "adaptive"))
+        assert p["adaptive_speedup"] == pytest.approx(adaptive / plain, rel=1e-3)
+        assert p["adaptive_vs_best"] == pytest.approx(adaptive / max(plain, fixed), rel=1e-3)
+        tau = p["fixed"]["mean_accept_length"]  # the synthetic rate reached the fixed-depth engine
+        assert tau == 1.0 if p["acceptance"] == 0 else tau > 2.0
+    assert record["worst"]["adaptive_vs_plain"]["adaptive_speedup"] == min(p["adaptive_speedup"] for p in points)
+    assert record["label"] and "SYNTHETIC" in record["label"]
+    assert [os.path.basename(p) for p in record["plots"]] == ["sweep-T0.png", "sweep-T1.png"]
+    assert all(os.path.getsize(p) > 10_000 for p in record["plots"])
+    assert "worst adaptive/plain" in proc.stdout

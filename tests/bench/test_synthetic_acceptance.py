@@ -74,6 +74,7 @@ def test_chain_acceptance_is_geometric():
 def test_extremes_through_the_command(bench, p, steps, mean):
     """P=1 accepts every draft (num_steps + 1 tokens a step), P=0 none (1 token a step)."""
     rc, record, _, _ = bench("--preset", "tiny-test", "--synthetic-acceptance", str(p), "--spec", "on",
+                             "--speculative-adaptive", "off",  # every step drafts num_steps
                              "--speculative-num-steps", str(steps), "--speculative-num-draft-tokens", str(steps + 1),
                              "--batch-sizes", "1", "4", "--input-len", "6", "--output-len", "20", "--no-plots")
     assert rc == 0
@@ -103,8 +104,8 @@ def plot_titles(monkeypatch):
 def test_half_acceptance_and_labels(bench, plot_titles):
     """P=0.5, 3 steps: mean acceptance 1 + p + p^2 + p^3 = 1.875 within 4 standard errors, and the label
     on the record, on each speculative row, in the table and in the plots' titles."""
-    rc, record, stdout, _ = bench("--preset", "tiny-test", "--synthetic-acceptance", "0.5",
-                                  "--batch-sizes", "16", "--input-len", "4", "--output-len", "96")
+    rc, record, stdout, _ = bench("--preset", "tiny-test", "--synthetic-acceptance", "0.5", "--speculative-adaptive",
+                                  "off", "--batch-sizes", "16", "--input-len", "4", "--output-len", "96")
     assert rc == 0
     on = record["batches"][0]["spec_on"]
     # A verify step makes at most 4 tokens, so there were at least 16 * 95 / 4 of them; the accept

@@ -350,6 +350,12 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
                for p in range(3)]
     assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == accepted
     assert after['tandem:spec_decode_mean_accept_length{replica="0"}'] == pytest.approx(1 + accepted / drafts)
+    # Depth per engine step (this server drafts a fixed 3: --speculative-adaptive off): a histogram whose
+    # buckets below 3 are empty and whose count is the steps taken.
+    steps = after['tandem:spec_decode_draft_depth_count{replica="0"}']
+    assert steps >= 4 and after['tandem:spec_decode_draft_depth_bucket{le="2",replica="0"}'] == 0
+    assert after['tandem:spec_decode_draft_depth_bucket{le="3",replica="0"}'] == steps
+    assert after['tandem:spec_decode_draft_depth_sum{replica="0"}'] == 3 * steps
 
     # Kill the engine core mid-stream: the stream ends with an error, the server answers 503.
     engine_pid = spec_server.health()["engine_pid"]

@@ -21,7 +21,8 @@ def add_bench_parser(sub) -> None:
                     "(random weights in a named shape, with a random EAGLE-3 head), or neither (the demo pair).")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="random weights (load_format=dummy) in a named shape, drafted by a random EAGLE-3 head")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help=f"default {' '.join(map(str, DEFAULT_BATCH_SIZES))} (with --sweep: 1 8 32 64 128)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (random ids)")
     p.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
     p.add_argument("--spec", choices=["both", "on", "off"], default="both",
@@ -38,6 +39,13 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs per engine")
+    p.add_argument("--sweep", action="store_true",
+                   help="BENCHMARK ONLY: plain, fixed-depth and adaptive speculation over a grid of synthetic "
+                        "acceptance x batch size x temperature; JSON and heatmaps (outputs are the draft's)")
+    p.add_argument("--sweep-acceptance", type=float, nargs="+", default=None, metavar="P",
+                   help="the grid's acceptance rates (default 0 0.3 0.6 0.81 0.95)")
+    p.add_argument("--sweep-temperatures", type=float, nargs="+", default=None, metavar="T",
+                   help="the grid's temperatures (default 0 1)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per batch size and mode (same prompts); each reported metric is the "
                         "median, every run is kept in the JSON (time to first token is one noisy sample per run)")
@@ -50,6 +58,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from tandem.bench.run import BenchConfig, run_bench
     from tandem.cli import engine_kwargs
 
+    if ns.sweep:
+        return _cmd_sweep(ns)
+    ns.batch_sizes = ns.batch_sizes or list(DEFAULT_BATCH_SIZES)
     cfg = BenchConfig(
         engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
         input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
@@ -62,4 +73,26 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     result = run_bench(cfg)
     print(report.table(result))
     print(f"wrote {result['json']}" + "".join(f"\nwrote {p}" for p in result.get("plots", [])))
+    return 0
+
+
+def _cmd_sweep(ns: argparse.Namespace) -> int:
+    from tandem.bench import sweep
+    from tandem.cli import engine_kwargs
+
+    cfg = sweep.SweepConfig(
+        engine_kwargs=engine_kwargs(ns),
+        acceptance=tuple(ns.sweep_acceptance or sweep.SWEEP_ACCEPTANCE),
+        batch_sizes=tuple(ns.batch_sizes or sweep.SWEEP_BATCH_SIZES),
+        temperatures=tuple(ns.sweep_temperatures if ns.sweep_temperatures is not None else sweep.SWEEP_TEMPERATURES),
+        input_len=ns.input_len, output_len=ns.output_len, repeats=ns.repeats, out=ns.out, plots=not ns.no_plots,
+        progress=not ns.no_progress, command=["tandem", *sys.argv[1:]])
+    result = sweep.sweep_with_preset(cfg, ns.preset)
+    print(f"{'T':>4} {'p':>5} {'batch':>5} {'fixed/plain':>11} {'adaptive/plain':>14} {'adaptive/best':>13}")
+    for pt in result["points"]:
+        print(f"{pt['temperature']:>4g} {pt['acceptance']:>5g} {pt['batch_size']:>5} {pt['fixed_speedup']:>11.3f} "
+              f"{pt['adaptive_speedup']:>14.3f} {pt['adaptive_vs_best']:>13.3f}")
+    worst = result["worst"]
+    print(f"worst adaptive/plain: {worst['adaptive_vs_plain']}; worst adaptive/best: {worst['adaptive_vs_best']}")
+    print(f"wrote {result['json']}" + (f" and {', '.join(result['plots'])}" if result.get("plots") else ""))
     return 0

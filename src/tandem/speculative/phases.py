@@ -88,9 +88,10 @@ class SpecPhases:
         return self.graphs[_iteration_key(features, shape)](slots, page_rows, coins, use_coins)
 
     def draft_tree(self, slots, page_rows, kv_bound: int, shape: DraftShape) -> DraftTree:
-        if shape != self.configured or not self.graphed(slots.shape[0]):
-            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_nodes(shape),
-                                           None if shape.tree else shape.depth)
+        if shape != self.configured:  # a shorter chain of the adaptive policy's
+            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_nodes(shape), shape.depth)
+        if not self.graphed(slots.shape[0]):
+            return self.drafter.draft_tree(slots, page_rows, kv_bound, self.num_draft_tokens)
         tokens, parents, depths = self.graphs["draft_tree"](slots, page_rows)
         return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth, chain=self.chain)
 

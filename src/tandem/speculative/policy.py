@@ -40,35 +40,50 @@ class DraftShape:
 
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
-                 probe_every: int = 32, prior: float = 0.6):
+                 probe_every: int = 32, prior: float = 0.6, hysteresis: float = 0.03):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
         request's own acceptance replaces the engine's; probe_every: while a shorter option is chosen,
         every this many steps of a batch size run the deepest option once so its acceptance stays known;
-        prior: the acceptance assumed before any observation."""
+        prior: the acceptance assumed before any observation; hysteresis: how much better (relative) another
+        option must look before the choice for a batch size moves (measured costs are noisy)."""
         self.num_steps = num_steps
         self.options = [DraftShape(d) for d in range(num_steps + 1)] + ([DraftShape(num_steps, True)] if tree else [])
         self.deepest = self.options[-1]
         self.decay = decay
         self.min_request_obs = min_request_obs
         self.probe_every = probe_every
-        self.acceptance = [prior] * num_steps  # engine-wide a_1..a_D
-        self.tree_tokens = 1.0 + sum(prior ** j for j in range(1, num_steps + 1))  # EWMA of tree accept lengths
+        self.hysteresis = hysteresis
+        self.prior = prior
+        self.reset_acceptance()
         self._requests: dict[str, tuple[list[float], int]] = {}  # request id -> (a_1..a_D, observations)
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
         self._last_choice: dict[int, DraftShape] = {}
         self._steps_since_probe: dict[int, int] = {}
 
+    def reset_acceptance(self) -> None:
+        """Back to the prior, as at start-up (the cost table stays)."""
+        self.acceptance = [self.prior] * self.num_steps  # engine-wide a_1..a_D
+        self._seen = [0] * self.num_steps  # observations of each position
+        self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
+        self._tree_seen = 0
+
+    def _weight(self, seen: int) -> float:
+        # A plain mean of the first observations, then a moving average: the prior is forgotten quickly.
+        return max(self.decay, 1.0 / (seen + 1))
+
     # ---- what the engine tells it ----------------------------------------------------------------------
     def observe_accept(self, request_id: str, shape: DraftShape, accept_len: int) -> None:
         """One verify step of one request: accept_len tokens (accepted drafts + 1) from `shape`."""
         if shape.tree:
-            self.tree_tokens += self.decay * (accept_len - self.tree_tokens)
+            self.tree_tokens += self._weight(self._tree_seen) * (accept_len - self.tree_tokens)
+            self._tree_seen += 1
             return
         own, count = self._requests.get(request_id) or (list(self.acceptance), 0)
         # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
         for j in range(1, min(accept_len, shape.depth) + 1):
             hit = 1.0 if j < accept_len else 0.0
-            self.acceptance[j - 1] += self.decay * (hit - self.acceptance[j - 1])
+            self.acceptance[j - 1] += self._weight(self._seen[j - 1]) * (hit - self.acceptance[j - 1])
+            self._seen[j - 1] += 1
             own[j - 1] += self.decay * (hit - own[j - 1])
         self._requests[request_id] = (own, count + (shape.depth > 0))
 
@@ -104,8 +119,14 @@ class DepthPolicy:
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
-        best = max(self.options, key=lambda s: self.expected_tokens(request_ids, s) / self.cost_ms[(padded_batch, s)])
-        if self._last_choice.get(padded_batch) != best:
+        def rate(shape):
+            return self.expected_tokens(request_ids, shape) / self.cost_ms[(padded_batch, shape)]
+
+        best = max(self.options, key=rate)
+        last = self._last_choice.get(padded_batch)
+        if last is not None and rate(best) <= rate(last) * (1 + self.hysteresis):
+            best = last
+        if last != best:
             logger.info("adaptive speculation: batch %d now drafts %s (acceptance per position %s)",
                         padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
             self._last_choice[padded_batch] = best

@@ -338,7 +338,10 @@ class SpecWorker:
         pool.draft_entries[pool.pad_slot:pool.pad_slot + 1].zero_()
         seq_lens = pool.seq_lens[slots]
         vplan = plan.plan_verify(page_rows, seq_lens, n, kv_bound, ps)
-        tree = drafter.draft_tree(slots, page_rows, kv_bound, n, None if shape.tree else shape.depth)
+        if shape == self.phases.configured:
+            tree = drafter.draft_tree(slots, page_rows, kv_bound, n)
+        else:  # a shorter chain of the adaptive policy's
+            tree = drafter.draft_tree(slots, page_rows, kv_bound, n, shape.depth)
         logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask, chain=tree.chain)
