@@ -4,11 +4,13 @@ speculation at greedy speed).
 python bench/sampling_bench.py --out bench/results/sampling_h200.json [--shapes demo llama-3.1-8b]
     [--batch-sizes 1 8 32] [--output-len 96] [--input-len 128] [--repeats 3]
 
-For each shape it builds one speculative engine (EAGLE-3 chain of 3, CUDA graphs, overlap) and one plain
-engine, and times engine steps once every request of the batch has its first token ("iteration_ms",
+For each shape it builds three engines: speculative at a fixed depth (EAGLE-3 chain of 3, CUDA graphs,
+overlap; --speculative-adaptive off), speculative with adaptive depth (the default), and plain. It times
+engine steps once every request of the batch has its first token ("iteration_ms",
 tandem.bench.measure.run_batch) for three kinds of request: greedy, temperature 1.0, and temperature 1.0
-with top-p 0.9, each the median of --repeats runs. The ratios sampled / greedy are what the issue's targets are stated in. "demo" is the
-bundled pair with its real acceptance; "llama-3.1-8b" is random weights in that shape (bf16), whose
+with top-p 0.9, each the median of --repeats runs. Sampled / greedy iteration ratios are taken at the fixed
+depth (the same work per step); tokens per second against plain for both speculative engines. "demo" is
+the bundled pair with its real acceptance; "llama-3.1-8b" is random weights in that shape (bf16), whose
 acceptance is about 1, so it measures the per-iteration cost of sampling, not speculation's gains.
 """
 
@@ -43,20 +45,22 @@ def engine_kwargs(shape: str, root: str, max_bs: int, context: int) -> dict:
                 max_total_tokens=max_bs * (context + 64), cuda_graph_max_bs=max_bs)
 
 
-def measure(kw: dict, spec: bool, sizes, input_len: int, output_len: int, repeats: int) -> dict:
-    if not spec:
+def measure(kw: dict, mode: str, sizes, input_len: int, output_len: int, repeats: int) -> dict:
+    if mode == "plain":
         kw = dict(kw, speculative_algorithm=None, speculative_draft_model_path=None)
+    else:
+        kw = dict(kw, speculative_adaptive="on" if mode == "adaptive" else "off")
     engine = Engine(**kw)
     vocab = engine.arch.vocab_size
     rows = {}
     try:
         for b in sizes:
             prompts = random_prompts(b, input_len, vocab, seed=0)
-            for mode, (temperature, top_p) in MODES.items():
+            for sampling, (temperature, top_p) in MODES.items():
                 run_batch(engine, prompts[:b], 8, temperature, top_p)  # warm-up at this shape
                 runs = [run_batch(engine, prompts, output_len, temperature, top_p)[0] for _ in range(repeats)]
-                rows[f"{mode}@{b}"] = row = median_of_runs(runs)
-                print(f"  {'spec' if spec else 'plain'} batch {b} {mode}: {row['iteration_ms']:.3f} ms/iteration "
+                rows[f"{sampling}@{b}"] = row = median_of_runs(runs)
+                print(f"  {mode} batch {b} {sampling}: {row['iteration_ms']:.3f} ms/iteration "
                       f"(median of {repeats}), tau {row['mean_accept_length']}", flush=True)
     finally:
         engine.shutdown()
@@ -75,30 +79,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median is reported")
     ns = ap.parse_args()
     result = {"tool": "bench/sampling_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": ["python", *sys.argv], "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "command": ["python", *sys.argv], "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "modes": {m: {"temperature": t, "top_p": p} for m, (t, p) in MODES.items()}, "shapes": {}}
     with tempfile.TemporaryDirectory() as root:
         for shape in ns.shapes:
             kw = engine_kwargs(shape, root, max(ns.batch_sizes), ns.input_len + ns.output_len + 16)
-            spec = measure(kw, True, ns.batch_sizes, ns.input_len, ns.output_len, ns.repeats)
-            plain = measure(kw, False, ns.batch_sizes, ns.input_len, ns.output_len, ns.repeats)
+            runs = {mode: measure(kw, mode, ns.batch_sizes, ns.input_len, ns.output_len, ns.repeats)
+                    for mode in ("fixed", "adaptive", "plain")}
+            fixed, adaptive, plain = runs["fixed"], runs["adaptive"], runs["plain"]
             table = []
             for b in ns.batch_sizes:
-                g_spec, g_plain = spec[f"greedy@{b}"]["iteration_ms"], plain[f"greedy@{b}"]["iteration_ms"]
+                g_fixed, g_plain = fixed[f"greedy@{b}"]["iteration_ms"], plain[f"greedy@{b}"]["iteration_ms"]
                 for mode in MODES:
-                    s, p = spec[f"{mode}@{b}"], plain[f"{mode}@{b}"]
-                    table.append({"batch": b, "mode": mode, "spec_iteration_ms": s["iteration_ms"],
-                                  "spec_vs_greedy_spec": round(s["iteration_ms"] / g_spec, 4),
+                    f, a, p = fixed[f"{mode}@{b}"], adaptive[f"{mode}@{b}"], plain[f"{mode}@{b}"]
+                    table.append({"batch": b, "mode": mode, "spec_iteration_ms": f["iteration_ms"],
+                                  "spec_vs_greedy_spec": round(f["iteration_ms"] / g_fixed, 4),
                                   "plain_step_ms": p["iteration_ms"],
                                   "plain_vs_greedy_plain": round(p["iteration_ms"] / g_plain, 4),
-                                  "spec_tau": s["mean_accept_length"],
-                                  "spec_tokens_per_s_vs_plain": round(s["tokens_per_s"] / p["tokens_per_s"], 4)})
-            result["shapes"][shape] = {"table": table, "spec": spec, "plain": plain}
-            print(f"\n{shape}: batch mode | spec ms (x greedy spec) | plain ms (x greedy plain) | tau | spec/plain tok/s")
+                                  "spec_tau": f["mean_accept_length"], "adaptive_tau": a["mean_accept_length"],
+                                  "fixed_tokens_per_s_vs_plain": round(f["tokens_per_s"] / p["tokens_per_s"], 4),
+                                  "adaptive_tokens_per_s_vs_plain": round(a["tokens_per_s"] / p["tokens_per_s"], 4)})
+            result["shapes"][shape] = {"table": table, **runs}
+            print(f"\n{shape}: batch mode | fixed spec ms (x greedy) | plain ms (x greedy) | tau fixed/adaptive "
+                  f"| tok/s vs plain: fixed, adaptive")
             for r in table:
                 print(f"  {r['batch']:>3} {r['mode']:<12} | {r['spec_iteration_ms']:.3f} ({r['spec_vs_greedy_spec']:.3f}x) "
-                      f"| {r['plain_step_ms']:.3f} ({r['plain_vs_greedy_plain']:.3f}x) | {r['spec_tau']} "
-                      f"| {r['spec_tokens_per_s_vs_plain']:.3f}", flush=True)
+                      f"| {r['plain_step_ms']:.3f} ({r['plain_vs_greedy_plain']:.3f}x) | {r['spec_tau']}/{r['adaptive_tau']} "
+                      f"| {r['fixed_tokens_per_s_vs_plain']:.3f}, {r['adaptive_tokens_per_s_vs_plain']:.3f}", flush=True)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)

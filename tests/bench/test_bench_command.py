@@ -145,7 +145,7 @@ def test_sweep_writes_grid_worst_points_and_heatmaps(tmp_path):
         tau = p["fixed"]["mean_accept_length"]  # the synthetic rate reached the fixed-depth engine
         assert tau == 1.0 if p["acceptance"] == 0 else tau > 2.0
     assert record["worst"]["adaptive_vs_plain"]["adaptive_speedup"] == min(p["adaptive_speedup"] for p in points)
-    assert record["label"] and "SYNTHETIC" in record["label"]
+    assert record["complete"] and record["label"] and "SYNTHETIC" in record["label"]
     assert [os.path.basename(p) for p in record["plots"]] == ["sweep-T0.png", "sweep-T1.png"]
     assert all(os.path.getsize(p) > 10_000 for p in record["plots"])
     assert "worst adaptive/plain" in proc.stdout

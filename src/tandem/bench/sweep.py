@@ -47,10 +47,20 @@ def run_sweep(cfg: SweepConfig) -> dict:
     from tandem import Engine
 
     kw = cfg.engine_kwargs
+    out = cfg.out or os.path.join("bench", "results", f"sweep-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    points = []
+    result = {
+        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": cfg.command,
+        "label": synthetic.LABEL, "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
+        # A preset's paths are temporary directories: not worth recording.
+        "engine_args": {k: v for k, v in kw.items() if not (kw.get("load_format") == "dummy" and k.endswith("model_path"))},
+        "input_len": cfg.input_len, "output_len": cfg.output_len, "repeats": cfg.repeats, "json": out,
+        "complete": False, "points": points,
+    }
     engines = {"plain": Engine(**dict(kw, speculative_algorithm=None, speculative_draft_model_path=None)),
                "fixed": Engine(**dict(kw, speculative_adaptive="off")),
                "adaptive": Engine(**dict(kw, speculative_adaptive="on"))}
-    points = []
     total = len(cfg.temperatures) * len(cfg.acceptance) * len(cfg.batch_sizes)
     bar = tqdm(total=total, desc="tandem bench --sweep", unit="point", disable=not cfg.progress)
     try:
@@ -77,6 +87,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
                     point["adaptive_vs_best"] = round(point["adaptive"]["tokens_per_s"]
                                                       / max(plain, point["fixed"]["tokens_per_s"]), 4)
                     points.append(point)
+                    result["worst"] = worst_points(points)
+                    _save(result, out)  # after every point: an interrupted sweep keeps what it measured
                     bar.update()
     finally:
         bar.close()
@@ -85,22 +97,18 @@ def run_sweep(cfg: SweepConfig) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    result = {
-        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": cfg.command,
-        "label": synthetic.LABEL, "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
-        # A preset's paths are temporary directories: not worth recording.
-        "engine_args": {k: v for k, v in kw.items() if not (kw.get("load_format") == "dummy" and k.endswith("model_path"))},
-        "input_len": cfg.input_len, "output_len": cfg.output_len, "repeats": cfg.repeats, "points": points,
-        "worst": worst_points(points),
-    }
-    out = cfg.out or os.path.join("bench", "results", f"sweep-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    result["json"] = out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    result["complete"] = True
     if cfg.plots:
         result["plots"] = plot_heatmaps(result, os.path.splitext(out)[0])
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    _save(result, out)
     return result
+
+
+def _save(result: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 def worst_points(points: list[dict]) -> dict:
