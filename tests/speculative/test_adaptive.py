@@ -75,6 +75,7 @@ def test_every_depth_through_emulated_graphs(spec_models, reference, monkeypatch
         options = e.runner.spec.policy.options
     for shape in options:
         assert sizes[f"iteration:greedy:{shape.name}"], f"{shape.name}: its graph never ran"
+    assert sizes["catch_up"], "no step after a depth-0 step replayed the draft catch-up graph"
 
 
 def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models, reference, monkeypatch):

@@ -30,6 +30,7 @@ from tandem.runtime.step_result import StepResult, collect_logprobs
 from tandem.runtime.streams import FaultInjection, StreamSet
 from tandem.speculative.drafter import Drafter
 from tandem.speculative.mtp_drafter import MTPDrafter, MTPStatePool
+from tandem.speculative.catch_up import CATCH_UP_WINDOW
 from tandem.speculative.policy import DepthPolicy
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.worker import SpecWorker
@@ -209,8 +210,9 @@ class ModelRunner:
             drafter = MTPDrafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.num_steps,
                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         else:
+            adaptive = spec.adaptive == "on"  # depth-0 steps defer the draft extend (speculative/catch_up.py)
             pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, catch_up_window=CATCH_UP_WINDOW if adaptive else 0)
             # The draft cache has the sink page too (padded CUDA-graph rows write there).
             drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages + 1, spec.eagle_topk,
                               spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)

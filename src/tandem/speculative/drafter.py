@@ -20,7 +20,7 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.models.draft_base import DraftModel
 from tandem.models.llama import StepContext
-from tandem.speculative import plan
+from tandem.speculative import catch_up, plan
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.tree import DraftTree, TreeBuilder, chain_tree
 
@@ -160,3 +160,24 @@ class Drafter:
         last = out.view(b, q, -1)[torch.arange(b, device=tokens.device), accept_lens - 1]  # [B, H]
         self.pool.draft_entries[slots] = first_pos + accept_lens
         self._store_next(slots, last)
+
+    def catch_up(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int, sink_slot: int) -> None:
+        """Runs the draft over each row's deferred tokens (speculative/catch_up.py) and empties its lag
+        buffer; rows without deferred tokens keep their state."""
+        pool = self.pool
+        b, window = slots.shape[0], pool.catch_up_window
+        lag = pool.lag[slots]  # [B]
+        first_pos = pool.draft_entries[slots]
+        metadata, positions = catch_up.catch_up_metadata(page_rows, first_pos, lag, window, kv_bound,
+                                                         self.page_size, sink_slot)
+        feats = pool.lag_features[slots].reshape(b * window, -1) if pool.lag_features is not None else None
+        out = self.model(pool.lag_tokens[slots].reshape(-1), positions, feats, self._ctx(metadata),
+                         hidden_is_target=True)
+        last = out.view(b, window, -1)[torch.arange(b, device=slots.device), (lag - 1).clamp(min=0)]  # [B, H]
+        lagging = lag > 0
+        logp, ids = self._topk(last)
+        pool.topk_logp[slots] = torch.where(lagging[:, None], logp, pool.topk_logp[slots])
+        pool.topk_ids[slots] = torch.where(lagging[:, None], ids, pool.topk_ids[slots])
+        pool.draft_hidden[slots] = torch.where(lagging[:, None], last, pool.draft_hidden[slots])
+        pool.draft_entries[slots] = first_pos + lag
+        pool.lag[slots] = 0

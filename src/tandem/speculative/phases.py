@@ -64,6 +64,10 @@ class SpecPhases:
         tree = self.drafter.draft_tree(slots, page_rows, self.graph_kv_width, self.num_draft_tokens)
         return tree.tokens, tree.parents, tree.depths
 
+    def _catch_up_fn(self, slots, page_rows):
+        self.drafter.catch_up(slots, page_rows, self.graph_kv_width, self.runner.sink_slot)
+        return ()
+
     def _extend_fn(self, slots, tokens, features, accept_lens, first_pos, slot_mapping, kv_slots, mask, kv_lens):
         b, q = tokens.shape
         metadata = plan.TorchAttentionMetadata(
@@ -86,6 +90,14 @@ class SpecPhases:
     def iteration(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, coins, use_coins):
         """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
         return self.graphs[_iteration_key(features, shape)](slots, page_rows, coins, use_coins)
+
+    def catch_up(self, slots, page_rows, kv_bound: int) -> None:
+        """The draft over every row's deferred tokens (speculative/catch_up.py)."""
+        graph = self.graphs.get("catch_up")
+        if graph is not None and graph.fits(slots.shape[0]):
+            graph(slots, page_rows)
+        else:
+            self.drafter.catch_up(slots, page_rows, kv_bound, self.runner.sink_slot)
 
     def draft_tree(self, slots, page_rows, kv_bound: int, shape: DraftShape) -> DraftTree:
         if shape != self.configured:  # a shorter chain of the adaptive policy's
@@ -133,6 +145,9 @@ class SpecPhases:
         q = self.tree_max_depth + 1
         self.graphs["draft_tree"] = GraphedFunction("draft tree", self._draft_tree_fn, [
             GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
+        if any(not shape.drafts for shape in shapes):
+            self.graphs["catch_up"] = GraphedFunction("draft catch-up", self._catch_up_fn, [
+                GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
 
         self.graphs["verify"] = GraphedFunction("verify", self.verify_forward, [
             GraphInput((n,), long, 0),  # tokens

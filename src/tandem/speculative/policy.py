@@ -37,6 +37,12 @@ class DraftShape:
     def name(self) -> str:
         return "tree" if self.tree else f"chain{self.depth}"
 
+    @property
+    def drafts(self) -> bool:
+        """False for depth 0: the target verifies the root alone and the draft extend is deferred
+        (speculative/catch_up.py)."""
+        return self.tree or self.depth > 0
+
 
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,

@@ -14,7 +14,7 @@ from tandem.runtime.state_rows import StateRows
 
 class SpecStatePool(StateRows):
     def __init__(self, max_requests: int, max_pages_per_request: int, topk: int, draft_hidden: int,
-                 feature_size: int | None, dtype: torch.dtype, device: torch.device):
+                 feature_size: int | None, dtype: torch.dtype, device: torch.device, catch_up_window: int = 0):
         super().__init__(max_requests, "speculative")
         self.max_requests = max_requests
         z = dict(device=device)
@@ -27,6 +27,14 @@ class SpecStatePool(StateRows):
         # Target feature of a prefill chunk's last token, waiting for the next chunk's first token.
         self.pending_feature = (torch.zeros(max_requests, feature_size, dtype=dtype, **z)
                                 if feature_size else None)
+        # Draft extends deferred by steps that drafted nothing (adaptive depth 0, speculative/catch_up.py):
+        # the verified tokens and the target features the extend would have paired them with, run
+        # through the draft in one catch-up before the next drafting step. [R], [R, W], [R, W, F].
+        self.catch_up_window = catch_up_window
+        self.lag = torch.zeros(max_requests, dtype=torch.long, **z)
+        self.lag_tokens = torch.zeros(max_requests, max(catch_up_window, 1), dtype=torch.long, **z)
+        self.lag_features = (torch.zeros(max_requests, max(catch_up_window, 1), feature_size, dtype=dtype, **z)
+                             if feature_size and catch_up_window else None)
         # Host-side staging for the per-step upload of pool rows and page tables (pinned on a GPU so
         # the copy is asynchronous); reused every step, guarded by a write-after-read edge.
         pin = device.type == "cuda"

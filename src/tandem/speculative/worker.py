@@ -36,7 +36,7 @@ from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
-from tandem.speculative import plan
+from tandem.speculative import catch_up, plan
 from tandem.speculative.drafter import Drafter, PrefillFeed
 from tandem.speculative.phases import SpecPhases
 from tandem.speculative.policy import DepthPolicy, DraftShape
@@ -109,10 +109,14 @@ class SpecWorker:
         self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
         self.policy = policy  # None: always the configured shape (--speculative-adaptive off)
         self._last_collect = 0.0
+        # Host mirror of each request's deferred draft extends (pool.lag): known at launch from the shapes
+        # this worker chose, so deciding on a catch-up needs no device value.
+        self.lag: dict[str, int] = {}
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
             self.ready.discard(rid)
+            self.lag.pop(rid, None)
         self.pool.release(request_ids)
         if self.policy is not None:
             self.policy.forget(request_ids)
@@ -188,8 +192,9 @@ class SpecWorker:
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
+        needs_catch_up = self._plan_catch_up(handle.verify_ids, shape)
         if self.phases.iteration_graphed(b, features, shape):
-            self._launch_verify_graphed(b, features, shape, handle, outputs)
+            self._launch_verify_graphed(b, features, shape, handle, outputs, needs_catch_up)
             return
 
         # Plan stream: upload, then the verify plan.
@@ -214,12 +219,23 @@ class SpecWorker:
         # Main stream: draft the tree while the plan stream works.
         s.wait("main", table_ready)
         s.read(f"page_rows[{it}]", "main")
+        if needs_catch_up:
+            self.phases.catch_up(slots, page_rows, kv_bound)
         tree = self.phases.draft_tree(slots, page_rows, kv_bound, shape)
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
         logits, hidden, aux = self.phases.verify(tree, vplan)  # [B, N, V], [B*N, H], [B*N, H] each
         s.write("seq_lens", "main")
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, self._synthetic_coins(tree))
+        handle.max_depth = tree.max_depth
+        outputs["accept_lens"] = accept.accept_lens
+        outputs["out_tokens"] = accept.out_tokens
+        if features.logprobs is not None:
+            self._verify_logprobs(logits, accept, features.logprobs, outputs)
+        if not shape.drafts:
+            # One node per row: hidden and aux are [B, H], the root's features.
+            catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0], self._feature(hidden, aux))
+            return
 
         # Plan stream: draft-extend metadata. It is padded to the deepest possible run, so it needs
         # only the page rows and the old lengths (both the plan stream's own): no wait on verify.
@@ -238,12 +254,6 @@ class SpecWorker:
         s.wait("main", extend_plan_ready)
         s.read(f"extend_plan[{it}]", "main")
         self.phases.extend(slots, ext_meta, accept.out_tokens, features_in, accept.accept_lens, first_pos)
-
-        handle.max_depth = tree.max_depth
-        outputs["accept_lens"] = accept.accept_lens
-        outputs["out_tokens"] = accept.out_tokens
-        if features.logprobs is not None:
-            self._verify_logprobs(logits, accept, features.logprobs, outputs)
 
     # ---- the iteration body: acceptance and its state updates, shared by the eager and graphed paths ----
     def _accept_and_commit(self, slots, vplan: plan.VerifyPlan, tree: DraftTree, logits, features: SamplingFeatures,
@@ -277,6 +287,19 @@ class SpecWorker:
         rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n
         return feature[rows]
 
+    def _plan_catch_up(self, request_ids: list[str], shape: DraftShape) -> bool:
+        """Whether this step first runs the draft over deferred tokens: before a step that drafts, or
+        when a deferring step would overflow a lag buffer. Updates the host mirror of the lags."""
+        lags = [self.lag.get(rid, 0) for rid in request_ids]
+        needed = any(lags) and (shape.drafts or max(lags) >= self.pool.catch_up_window)
+        for rid, lag in zip(request_ids, lags):
+            lag = 0 if needed else lag
+            if shape.drafts:
+                self.lag.pop(rid, None)
+            else:
+                self.lag[rid] = lag + 1
+        return needed
+
     def _synthetic_coins(self, tree: DraftTree):
         """BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
         `bench_synthetic_acceptance`; nothing else does. Its coins REPLACE the token match: the emitted
@@ -302,7 +325,7 @@ class SpecWorker:
 
     # ---- the whole iteration as one CUDA graph -----------------------------------------------
     def _launch_verify_graphed(self, b: int, features: SamplingFeatures, shape: DraftShape, handle: SpecStepHandle,
-                               outputs) -> None:
+                               outputs, needs_catch_up: bool) -> None:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
         pool's device state, so there is nothing for the plan stream to prepare in parallel."""
         s, pool, device = self.streams, self.pool, self.runner.device
@@ -321,6 +344,8 @@ class SpecWorker:
         use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
+        if needs_catch_up:
+            self.phases.catch_up(slots, page_rows, self.phases.graph_kv_width)
         accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins)
         handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
@@ -346,6 +371,11 @@ class SpecWorker:
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask, chain=tree.chain)
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins))
+        if not shape.drafts:
+            catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0],
+                                  self._feature(hidden.reshape(-1, hidden.shape[-1]),
+                                                [a.reshape(-1, a.shape[-1]) for a in aux]))
+            return accept.accept_lens, accept.out_tokens
         first_pos = seq_lens + 1 - drafter.model.token_offset
         ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
         features_in = self._accepted_features(hidden.reshape(-1, hidden.shape[-1]),
@@ -415,6 +445,9 @@ class SpecWorker:
             s.write("seq_lens", "main")
             pool.verified_id[slots] = sampled
             pool.seq_lens[slots] = end_pos
+            pool.lag[slots] = 0  # the draft prefill below brings the draft up to date
+            for c in sampling:
+                self.lag.pop(c.request_id, None)
             self.sampling.add_outputs(slots, sampled[:, None])
             outputs["prefill_tokens"] = sampled
             if features.logprobs is not None:
