@@ -180,4 +180,4 @@ class Drafter:
         pool.topk_ids[slots] = torch.where(lagging[:, None], ids, pool.topk_ids[slots])
         pool.draft_hidden[slots] = torch.where(lagging[:, None], last, pool.draft_hidden[slots])
         pool.draft_entries[slots] = first_pos + lag
-        pool.lag[slots] = 0
+        pool.lag.index_fill_(0, slots, 0)  # (no host scalar: this runs inside CUDA graphs)

@@ -445,7 +445,7 @@ class SpecWorker:
             s.write("seq_lens", "main")
             pool.verified_id[slots] = sampled
             pool.seq_lens[slots] = end_pos
-            pool.lag[slots] = 0  # the draft prefill below brings the draft up to date
+            pool.lag.index_fill_(0, slots, 0)  # the draft prefill below brings the draft up to date
             for c in sampling:
                 self.lag.pop(c.request_id, None)
             self.sampling.add_outputs(slots, sampled[:, None])
