@@ -21,9 +21,13 @@ hand-made cost table.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+# Start-up timing (several replays of a graph on padded rows) counts as this many online observations.
+TRUSTED_OBSERVATIONS = 10
 
 
 @dataclass(frozen=True)
@@ -46,23 +50,30 @@ class DraftShape:
 
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
-                 probe_every: int = 32, prior: float = 0.6, hysteresis: float = 0.03):
+                 probe_every: int = 32, probe_budget: float = 0.01, prior: float = 0.6, prior_weight: float = 4.0,
+                 hysteresis: float = 0.03):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
-        request's own acceptance replaces the engine's; probe_every: while a shorter option is chosen,
-        every this many steps of a batch size run the deepest option once so its acceptance stays known;
-        prior: the acceptance assumed before any observation; hysteresis: how much better (relative) another
-        option must look before the choice for a batch size moves (measured costs are noisy)."""
+        request's own acceptance replaces the engine's; probe_every, probe_budget: while a shorter option
+        than the deepest is chosen, the next deeper option runs once every probe_every steps of a batch
+        size, or less often, so that probes cost at most probe_budget of the time (they keep the
+        acceptance of the positions the choice does not draft known); prior: the acceptance assumed
+        before any observation, worth prior_weight observations (one early rejection must not look like
+        a rate of 0); hysteresis: how much better (relative) another option must look before the choice
+        for a batch size moves (measured costs are noisy)."""
         self.num_steps = num_steps
         self.options = [DraftShape(d) for d in range(num_steps + 1)] + ([DraftShape(num_steps, True)] if tree else [])
         self.deepest = self.options[-1]
         self.decay = decay
         self.min_request_obs = min_request_obs
         self.probe_every = probe_every
+        self.probe_budget = probe_budget
+        self.prior_weight = prior_weight
         self.hysteresis = hysteresis
         self.prior = prior
         self.reset_acceptance()
         self._requests: dict[str, tuple[list[float], int]] = {}  # request id -> (a_1..a_D, observations)
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
+        self._time_seen: dict[tuple[int, DraftShape], int] = {}  # observations behind each cost
         self._last_choice: dict[int, DraftShape] = {}
         self._steps_since_probe: dict[int, int] = {}
 
@@ -74,8 +85,9 @@ class DepthPolicy:
         self._tree_seen = 0
 
     def _weight(self, seen: int) -> float:
-        # A plain mean of the first observations, then a moving average: the prior is forgotten quickly.
-        return max(self.decay, 1.0 / (seen + 1))
+        # A mean of the prior (as prior_weight observations) and the first observations, then a moving
+        # average: the prior is forgotten after a few dozen steps.
+        return max(self.decay, 1.0 / (seen + 1 + self.prior_weight))
 
     # ---- what the engine tells it ----------------------------------------------------------------------
     def observe_accept(self, request_id: str, shape: DraftShape, accept_len: int) -> None:
@@ -94,9 +106,20 @@ class DepthPolicy:
         self._requests[request_id] = (own, count + (shape.depth > 0))
 
     def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None) -> None:
+        """One step's time. `weight` (start-up timing over several graph replays) sets a trusted value.
+        Online, the first observation of an option at a batch size is often its warm-up (lazy
+        initialisation, first-call allocation): the second replaces it, then a mean of the observations
+        so far, then a moving average."""
         key = (padded_batch, shape)
         old = self.cost_ms.get(key)
-        self.cost_ms[key] = ms if old is None else old + (weight or self.decay) * (ms - old)
+        count = self._time_seen.get(key, 0)
+        if weight is not None:
+            self.cost_ms[key] = ms if old is None else old + weight * (ms - old)
+            self._time_seen[key] = max(count, TRUSTED_OBSERVATIONS)
+            return
+        w = max(self.decay, 1.0 / max(count, 1))
+        self.cost_ms[key] = ms if old is None else old + w * (ms - old)
+        self._time_seen[key] = count + 1
 
     def forget(self, request_ids) -> None:
         for rid in request_ids:
@@ -120,8 +143,8 @@ class DepthPolicy:
 
     def choose(self, request_ids, padded_batch: int) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
-        timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
-        keeps its acceptance known while shorter ones win."""
+        timed at this size is chosen first (it gets timed); a probe of the next deeper option now and
+        then keeps the acceptance beyond the chosen depth known while shorter options win."""
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
@@ -137,7 +160,16 @@ class DepthPolicy:
                         padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
             self._last_choice[padded_batch] = best
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
-        if best != self.deepest and steps >= self.probe_every:
-            best, steps = self.deepest, 0
+        if best != self.deepest:
+            probe = self.options[self.options.index(best) + 1]
+            if steps >= self._probe_interval(padded_batch, best, probe):
+                best, steps = probe, 0
         self._steps_since_probe[padded_batch] = steps
         return best
+
+    def _probe_interval(self, padded_batch: int, chosen: DraftShape, probe: DraftShape) -> int:
+        """Steps between probes: probe_every, or more where one probe step costs more than probe_budget
+        of probe_every chosen steps."""
+        cost = self.cost_ms[(padded_batch, chosen)]
+        extra = max(0.0, self.cost_ms[(padded_batch, probe)] - cost)
+        return max(self.probe_every, math.ceil(extra / (self.probe_budget * cost)))

@@ -89,6 +89,7 @@ class SpecStepHandle:
     max_depth: int = 0
     shape: DraftShape | None = None  # what the verify rows drafted
     padded_batch: int = 0  # the batch size the policy keys its cost table by
+    catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     keep_alive: list = field(default_factory=list)
@@ -112,6 +113,7 @@ class SpecWorker:
         # Host mirror of each request's deferred draft extends (pool.lag): known at launch from the shapes
         # this worker chose, so deciding on a catch-up needs no device value.
         self.lag: dict[str, int] = {}
+        self.catch_up_ms: dict[int, float] = {}  # padded batch -> catch-up graph time (start-up timing)
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -123,22 +125,18 @@ class SpecWorker:
 
     def time_graphed_iterations(self, replays: int = 5) -> None:
         """Seeds the policy's cost table: each draft shape's greedy whole-iteration graph, replayed at each
-        captured batch size on padded rows only (they touch only the sink page and the pad row)."""
+        captured batch size on padded rows only (they touch only the sink page and the pad row); and
+        the catch-up graph's time, which the steps that run it leave out of their own."""
         from tandem.layers.sampler import GREEDY
 
-        device = self.runner.device
         for shape in self.policy.options:
             graph = self.phases.iteration_graph(GREEDY, shape)
             for bs in sorted(graph.graphs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.graphs[bs].replay()
-                start.record()
-                for _ in range(replays):
-                    graph.graphs[bs].replay()
-                end.record()
-                end.synchronize()
-                self.policy.observe_time(bs, shape, start.elapsed_time(end) / replays, weight=1.0)
-        torch.cuda.synchronize(device)
+                self.policy.observe_time(bs, shape, _replay_ms(graph.graphs[bs], replays), weight=1.0)
+        catch_up_graph = self.phases.graphs.get("catch_up")
+        for bs, graph in (catch_up_graph.graphs.items() if catch_up_graph is not None else ()):
+            self.catch_up_ms[bs] = _replay_ms(graph, replays)
+        torch.cuda.synchronize(self.runner.device)
 
     def padded_batch(self, b: int) -> int:
         graph = self.phases.graphs.get("verify")
@@ -193,6 +191,10 @@ class SpecWorker:
 
         self._stage_page_tables(chunks)
         needs_catch_up = self._plan_catch_up(handle.verify_ids, shape)
+        if needs_catch_up:
+            # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
+            # its time comes from start-up timing of its graph.
+            handle.catch_up_ms = self.catch_up_ms.get(handle.padded_batch, 0.0)
         if self.phases.iteration_graphed(b, features, shape):
             self._launch_verify_graphed(b, features, shape, handle, outputs, needs_catch_up)
             return
@@ -220,7 +222,10 @@ class SpecWorker:
         s.wait("main", table_ready)
         s.read(f"page_rows[{it}]", "main")
         if needs_catch_up:
+            started = time.perf_counter()
             self.phases.catch_up(slots, page_rows, kv_bound)
+            if runner.device.type != "cuda":
+                handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
         tree = self.phases.draft_tree(slots, page_rows, kv_bound, shape)
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
@@ -550,8 +555,8 @@ class SpecWorker:
         handle.keep_alive.clear()
 
     def _inform_policy(self, handle: SpecStepHandle, lens: list[int]) -> None:
-        """Accept lengths and this step's time, for steps without prefill rows (they would count prefill
-        time). On a GPU the time between consecutive results while the engine is busy (from launch
+        """Accept lengths and this step's time (less a catch-up's, which earlier steps deferred), for steps
+        without prefill rows (they would count prefill time). On a GPU the time between consecutive results while the engine is busy (from launch
         otherwise): what throughput sees, host and device. On a CPU launching runs the step."""
         now = time.perf_counter()
         started = max(handle.launched_at, self._last_collect)
@@ -562,7 +567,19 @@ class SpecWorker:
             self.policy.observe_accept(rid, handle.shape, k)
         if not handle.prefill_ids:
             ms = 1e3 * (now - started) if self.runner.device.type == "cuda" else handle.launch_ms
-            self.policy.observe_time(handle.padded_batch, handle.shape, ms)
+            self.policy.observe_time(handle.padded_batch, handle.shape, max(ms - handle.catch_up_ms, 0.5 * ms))
+
+
+def _replay_ms(graph, replays: int) -> float:
+    """Mean time of one replay of a captured CUDA graph, after one untimed replay."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def predicted_positions(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
