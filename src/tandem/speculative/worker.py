@@ -15,11 +15,13 @@ The verify plan depends only on seq_lens and the page table, and the extend plan
 too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
 engine can schedule the next step while this one runs.
 
-With CUDA graphs, a step whose verify rows are all greedy (no penalties, no logprobs) replays the
-whole iteration as one graph on the main stream (`decode_iteration`): the graph builds the plans
-itself, so the plan stream has nothing left to overlap (measured: with graphs it neither helped nor
-hurt, docs/performance.md). Steps that need the host between verify and accept (sampling,
-penalties, logprobs) keep the choreography above, with the three phases graphed separately.
+With CUDA graphs, a step whose verify rows need no penalties and no logprobs (greedy, sampled, or
+sampled with top-k) replays the whole iteration as one graph on the main stream (`decode_iteration`,
+one per sampling kind and draft shape): the graph builds the plans itself, so the plan stream has
+nothing left to overlap (measured: with graphs it neither helped nor hurt, docs/performance.md).
+Steps with penalties or logprobs keep the choreography above, with the three phases graphed
+separately. A step that drafts after depth-0 steps first runs the draft over their deferred tokens
+(speculative/catch_up.py).
 """
 
 from __future__ import annotations
@@ -393,11 +395,11 @@ class SpecWorker:
         return None if kind is None else (torch.cat(aux, dim=-1) if kind == "aux" else hidden)
 
     def _same_on_every_rank(self, accept: AcceptResult) -> AcceptResult:
-        """Tensor parallelism: every rank takes rank 0's decisions. Each rank already has the same
-        full-vocabulary logits (all-gathered), but sampling draws from a generator whose state we do
-        not want correctness to hang on, so rank 0's accepted tokens are broadcast instead: three
-        small tensors per step, on the device (no host sync). Every rank's KV, draft state and
-        next tree then stay identical."""
+        """Tensor parallelism: every rank takes rank 0's decisions. Each rank has the same
+        full-vocabulary logits (all-gathered) and draws the same position-keyed noise, so in exact
+        arithmetic the ranks agree anyway; the broadcast (three small tensors per step, on the device,
+        no host sync) makes agreement independent of any rank-to-rank rounding difference, so every
+        rank's KV, draft state and next tree stay identical. Its cost is unmeasured on two GPUs."""
         tp = self.runner.tp
         if tp.size == 1:
             return accept
