@@ -69,8 +69,10 @@ class SamplingParams:
             bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer or None")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be a finite number > 0")
+        # Logits are divided or multiplied by it: far from 1 they overflow float32 (1e-300 made every
+        # logit of a seen token infinite).
+        if not _finite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            bad("repetition_penalty", "must be between 0.01 and 100")
         for name in ("frequency_penalty", "presence_penalty"):
             if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")

@@ -80,7 +80,10 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{self.log()[-4000:]}")
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
+        """The full /health answer (with the server's API key, if it has one)."""
+        key = self.args[self.args.index("--api-key") + 1] if "--api-key" in self.args else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/health", headers=headers, timeout=5).json()
 
     def sigterm_and_check(self, timeout: float = 20) -> None:
         """SIGTERM must stop the server and its engine core (no orphan)."""

@@ -49,3 +49,98 @@ def test_stop_string_found_by_the_front_end_aborts_the_request(app_client):
     choice = r.json()["choices"][0]
     assert choice["text"] == "hell" and choice["finish_reason"] == "stop"
     assert len(app_client.engine.aborted) == 1
+
+
+# ---- hardening: inputs that parse but break later stages, auth on every page ----------------------
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(app_client):
+    cases = [
+        (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        (b'{"prompt": ["ok", "a\\udfffb"], "max_tokens": 2}', "prompt[1]"),
+        (b'{"prompt": "hi", "max_tokens": 1, "stop": "\\udfff"}', "stop"),
+        (b'{"prompt": "hi", "max_tokens": 1, "stop": ["x", "\\ud800"]}', "stop[1]"),
+        (b'{"prompt": "hi", "\\ud800": 1}', "'\\ud800'"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # past the recursion limit
+        (b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}", "prompt" + "[0]" * 63),  # past MAX_DEPTH
+    ]
+    for body, param in cases:
+        r = app_client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body[:60], r.text)
+        err = r.json()["error"]
+        assert err["param"] == param, (body[:60], err)
+        assert "surrogate" in err["message"] or "nested too deeply" in err["message"], err
+    r = app_client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                        headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    assert app_client.engine.added == []  # nothing reached the engine
+    assert app_client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2}).status_code == 200
+
+
+def test_strict_types_and_stream_options_without_stream(app_client):
+    for field, value in (("stream", "yes"), ("seed", "5"), ("seed", True), ("max_tokens", 2.0), ("logprobs", True),
+                         ("temperature", "0.5"), ("ignore_eos", 1)):
+        r = app_client.post("/v1/completions", json={"prompt": "x", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+    r = app_client.post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    r = app_client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role", r.text
+    r = app_client.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 1e-300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    assert app_client.engine.added == []
+
+
+class SlowTokenizer:
+    """The byte-level tokenizer, but every encode takes `delay` seconds (a long prompt's cost)."""
+
+    def __init__(self, delay: float):
+        self._tok = byte_level_tokenizer()
+        self.delay = delay
+        self.encodes = 0
+
+    def encode(self, text, *a, **kw):
+        import time
+
+        self.encodes += 1
+        time.sleep(self.delay)
+        return self._tok.encode(text, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_tokenising_runs_off_the_event_loop_and_hopeless_texts_are_refused_first():
+    import threading
+    import time
+
+    tok = SlowTokenizer(delay=1.5)
+    with TestClient(build_app(ReplicaSet([EchoEngineClient()]), tok, "echo")) as http:
+        slow = threading.Thread(target=lambda: http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}))
+        slow.start()
+        time.sleep(0.3)  # the slow request is tokenising now
+        start = time.monotonic()
+        assert http.get("/health").status_code == 200
+        assert time.monotonic() - start < 0.5, "the event loop waited for the tokenizer"
+        slow.join()
+        # The echo engine's context is 64 tokens and no vocabulary entry is longer than a few characters:
+        # a 100k-character prompt cannot fit, so it is refused without being tokenised.
+        before = tok.encodes
+        r = http.post("/v1/completions", json={"prompt": "y" * 100_000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert tok.encodes == before
+
+
+def test_api_key_guards_docs_and_health_details():
+    engine = EchoEngineClient(pid=4242)
+    with TestClient(build_app(ReplicaSet([engine]), byte_level_tokenizer(), "echo", api_key="k")) as http:
+        for path in ("/openapi.json", "/docs", "/redoc", "/metrics", "/v1/models"):
+            r = http.get(path)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
+            assert http.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path
+        assert http.get("/health").json() == {"status": "ok"}
+        full = http.get("/health", headers={"Authorization": "Bearer k"}).json()
+        assert full["engine_pid"] == 4242 and "queued_requests" in full
+        assert "/v1/completions" in http.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]
+    with TestClient(build_app(ReplicaSet([EchoEngineClient()]), byte_level_tokenizer(), "echo")) as http:
+        assert http.get("/openapi.json").status_code == 200  # no key: open, as before

@@ -59,7 +59,9 @@ def wait_idle(server, pages_used: float = 0.0) -> dict[str, float]:
 
 
 def test_health_models_and_api_key(server, oai):
-    health = httpx.get(server.url + "/health")  # no key needed
+    health = httpx.get(server.url + "/health")  # no key needed, but then only the status
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health", headers=AUTH)
     assert health.status_code == 200 and health.json()["engine_pid"] == server.engine_pid
     assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
     for path in ("/v1/models", "/metrics"):
@@ -67,6 +69,7 @@ def test_health_models_and_api_key(server, oai):
             r = httpx.get(server.url + path, headers=headers)
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 401
     with pytest.raises(openai.AuthenticationError):
@@ -245,9 +248,19 @@ def test_bad_bodies_then_good_request(server, oai):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="nope", messages=USER)
+    # Bodies that parse but used to fail later (a 500, and a queued count that never fell).
+    for body in (b'{"prompt": "a\\ud800b", "max_tokens": 2}', b'{"prompt": "hi", "max_tokens": 1, "stop": "\\udfff"}',
+                 b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+        check_error(post(C, content=body, headers={"content-type": "application/json"}), 400,
+                    param="prompt" if b"a\\ud800b" in body else ("stop" if b"stop" in body else None))
+    assert httpx.get(server.url + "/health", headers=AUTH).json()["queued_requests"] == 0
     # the server is still fine
     r = oai.completions.create(model=MODEL_NAME, prompt="still fine?", max_tokens=4)
     assert r.usage.completion_tokens >= 1
+    # content null is legal (an assistant turn with tool calls has none)
+    r = oai.chat.completions.create(model=MODEL_NAME, max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}])
+    assert r.choices[0].message.content is not None
 
 
 def long_request(stream: bool = True) -> dict:
@@ -381,7 +394,12 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
     assert health.json()["error"]["code"] == "engine_unavailable"
     r = httpx.post(url + C, json={"prompt": "x"})
     check_error(r, 503, code="engine_unavailable")
-    assert scrape(url)['tandem:engine_core_up{replica="0"}'] == 0
+    dead = scrape(url)
+    assert dead['tandem:engine_core_up{replica="0"}'] == 0
+    assert dead['tandem:engine_core_failures_total{replica="0"}'] == 1
+    # A dead engine core runs nothing and holds nothing: its last numbers must not linger.
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_pages_used"):
+        assert dead[f'tandem:{gauge}{{replica="0"}}'] == 0, gauge
 
     # SIGTERM still shuts the front end down promptly.
     spec_server.sigterm_and_check(timeout=15)

@@ -6,7 +6,7 @@ failure is a 400/413 in the OpenAI error shape naming the field.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import secrets
 import time
@@ -14,12 +14,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.server.errors import OpenAIError, bad_request, from_validation_error
+from tandem.server.json_body import parse_body
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.server.replicas import ReplicaSet
@@ -49,15 +51,20 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
             logger.info("shutting down: stopping the engine core%s", "s" if len(replicas.replicas) > 1 else "")
             await replicas.shutdown()
 
-    app = FastAPI(title="tandem", lifespan=lifespan)
+    # With an API key, the schema and docs pages are served by the key-checked router below.
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tandem", lifespan=lifespan, **docs)
+
+    def key_ok(request: Request) -> bool:
+        if api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        if not key_ok(request):
             raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                              code="invalid_api_key")
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def read_body(request: Request, model: type[BaseModel]):
         length = request.headers.get("content-length")
@@ -69,24 +76,20 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
             if size > max_request_bytes:
                 raise _too_large(size, max_request_bytes)
             chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except ValueError as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        # Parsing and validating a large body takes a while: off the event loop, like tokenising.
+        return await asyncio.to_thread(_parse_and_validate, b"".join(chunks), model)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         # Unhealthy as soon as any replica is gone, though the others still serve: the deployment
-        # is not what was asked for, and an orchestrator should restart it.
+        # is not what was asked for, and an orchestrator should restart it. Without the API key
+        # (when one is set) only the status: process ids and queue lengths are not for anyone.
         reason = replicas.unhealthy_reason
         if reason is not None:
-            raise OpenAIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+            detail = f": {reason}" if key_ok(request) else ""
+            raise OpenAIError(503, f"the engine is not available{detail}", code="engine_unavailable")
+        if not key_ok(request):
+            return {"status": "ok"}
         pids = replicas.pids
         return {"status": "ok", "model": model_name, "engine_pid": pids[0], "engine_pids": pids,
                 "queued_requests": replicas.num_queued}
@@ -116,6 +119,19 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         req = await read_body(request, ChatCompletionRequest)
         return await state["serving"].chat(req, request)
 
+    if api_key is not None:
+        @api.get("/openapi.json", include_in_schema=False)
+        async def openapi():
+            return JSONResponse(app.openapi())
+
+        @api.get("/docs", include_in_schema=False)
+        async def swagger():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="tandem")
+
+        @api.get("/redoc", include_in_schema=False)
+        async def redoc():
+            return get_redoc_html(openapi_url="/openapi.json", title="tandem")
+
     app.include_router(api)
 
     @app.exception_handler(OpenAIError)
@@ -138,6 +154,16 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         return JSONResponse(OpenAIError(500, f"internal server error: {type(e).__name__}").body(), status_code=500)
 
     return app
+
+
+def _parse_and_validate(raw: bytes, model: type[BaseModel]):
+    data = parse_body(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    except RecursionError:  # (parse_body bounds the depth; this is the last line of defence)
+        raise bad_request("the request body is nested too deeply") from None
 
 
 def _too_large(size: int, limit: int) -> OpenAIError:

@@ -124,9 +124,10 @@ class EngineClient:
         EngineDead."""
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
+        message = ipc.encode(ipc.AddRequest(request_id, prompt_token_ids, params))  # may raise: count nothing yet
         self._queues[request_id] = queue
         self._unstarted[request_id] = len(prompt_token_ids)
-        self._push.send(ipc.encode(ipc.AddRequest(request_id, prompt_token_ids, params)))
+        self._push.send(message)
 
     def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]

@@ -38,6 +38,10 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
         msg = "unknown or unsupported field"
     elif first["type"] == "missing":
         msg = "field required"
+    elif first["type"] == "value_error" and param is None:
+        # A model validator's own message, "field: what is wrong" (protocol.py)
+        msg = str(first.get("ctx", {}).get("error", first["msg"]))
+        return bad_request(msg, msg.split(":")[0] if ":" in msg else None)
     else:
         msg = first["msg"]
     return bad_request(f"{param}: {msg}" if param else msg, param)

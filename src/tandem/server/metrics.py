@@ -87,7 +87,8 @@ class _EngineCollector:
 
     def collect(self):
         replicas = self.replicas()
-        stats = [(str(r.index), r.stats or EngineStats()) for r in replicas]
+        # A dead engine core runs nothing and holds no pages: its last snapshot would be stale forever.
+        stats = [(str(r.index), r.stats if r.alive and r.stats else EngineStats()) for r in replicas]
 
         def per_replica(family, value):
             for r, (label, s) in zip(replicas, stats):
@@ -102,6 +103,8 @@ class _EngineCollector:
 
         yield gauge("tandem:engine_core_up", "1 while the replica's engine core process runs",
                     lambda r, s: int(r.alive))
+        yield counter("tandem:engine_core_failures", "Times the replica's engine core died (it is not restarted)",
+                      lambda r, s: int(not r.alive))
         yield gauge("tandem:num_requests_running", "Requests in the engine's running batch", lambda r, s: s.num_running)
         yield gauge("tandem:num_requests_waiting", "Requests waiting in the engine's queue", lambda r, s: s.num_waiting)
         yield gauge("tandem:kv_pages_used", "KV cache pages in use", lambda r, s: s.kv_pages_used)

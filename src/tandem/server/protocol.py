@@ -1,5 +1,5 @@
-"""OpenAI request bodies (pydantic). Unknown fields are refused (400 naming the field) rather than
-silently ignored. Fields past OpenAI's own (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+"""OpenAI request bodies (pydantic, strict: a string is never read as a number or a boolean, nor a
+boolean as a number). Unknown fields are refused (400 naming the field) rather than silently ignored. Fields past OpenAI's own (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `skip_special_tokens`) follow vLLM / SGLang; with the `openai` client pass them
 in `extra_body`. Value ranges are checked by `SamplingParams`, in one place.
 """
@@ -8,21 +8,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Integers cross the process boundary as msgpack int64 and may become torch int64 tensors.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -44,6 +44,12 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -59,21 +65,23 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
     # extra fields (name, tool_call_id, ...) go to the chat template as they are
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             msg["content"] = "\n".join(part.text for part in self.content)
+        elif self.content is None:
+            msg["content"] = ""  # OpenAI allows null (an assistant turn with tool calls); templates read a string
         return msg
 
 

@@ -178,6 +178,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests
         self._token_strs: dict[int, str] = {}
+        self._max_token_chars: int | None = None  # the vocabulary's longest entry (_check_text_fits)
 
     @property
     def speculative(self) -> bool:
@@ -193,7 +194,7 @@ class OpenAIServing:
             raise bad_request("suffix: not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of: only best_of == n is supported", "best_of")
-        prompts = self._completion_prompts(req)
+        prompts = await self._completion_prompts(req)
         gen = self._start(req, prompts, "prompt", req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                           req.logprobs, {"logprobs": "logprobs"}, arrival)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -207,13 +208,16 @@ class OpenAIServing:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(gen)})
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if isinstance(p, str) or (p and isinstance(p[0], str)):
             texts = [p] if isinstance(p, str) else p
             if self.tokenizer is None:
                 raise bad_request("prompt: the model has no tokenizer; send token ids", "prompt")
-            return [self.tokenizer.encode(t) for t in texts]
+            for i, t in enumerate(texts):
+                self._check_text_fits(len(t), "prompt" if isinstance(p, str) else f"prompt[{i}]")
+            # Tokenising a long text takes seconds: off the event loop, which keeps serving.
+            return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
         if p and isinstance(p[0], int):
             return [list(p)]
         return [list(ids) for ids in p] or [[]]
@@ -245,7 +249,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
-        prompt = self._chat_prompt(req)
+        self._check_text_fits(sum(len(m.content) if isinstance(m.content, str) else
+                                  sum(len(part.text) for part in m.content or ()) for m in req.messages), "messages")
+        prompt = await asyncio.to_thread(self._chat_prompt, req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -348,6 +354,19 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise from_sampling_params_error(e, names) from None
+
+    def _check_text_fits(self, num_chars: int, param: str) -> None:
+        """A 400 before tokenising for text that cannot fit the context: no token decodes to more
+        characters than the vocabulary's longest entry, so a text longer than (context length x that
+        length), with a margin of 2 for normalisation, has more tokens than fit."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(t) for t in vocab), default=0) or 1 << 20
+        limit = 2 * self.replicas.info.max_model_len * self._max_token_chars
+        if num_chars > limit:
+            raise bad_request(f"{param}: {num_chars} characters cannot fit the model's context length of "
+                              f"{self.replicas.info.max_model_len} tokens (at most {limit} characters are "
+                              "tokenised)", param, "context_length_exceeded")
 
     def _check_prompt(self, ids: list[int], param: str) -> int:
         """Room left for new tokens; 400 if the prompt is empty, too long or has bad token ids."""
