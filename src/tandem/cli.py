@@ -59,6 +59,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     args = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
                       max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
+                      shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.log_level)
     return run_server(args, engine_kwargs(ns))
 
@@ -86,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the path)")
     srv.add_argument("--max-queued-requests", type=int, default=None,
-                     help="answer 503 when this many requests are waiting for their first token")
+                     help="answer 503 (Retry-After: 1) when this many requests are waiting for their first token "
+                          "(default: twice what the engine cores can run at once, at least 16; 0: unlimited)")
     srv.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="after SIGTERM, seconds the requests in flight get to finish (new ones get 503)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
     add_train_draft_parser(sub)

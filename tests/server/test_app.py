@@ -144,3 +144,26 @@ def test_api_key_guards_docs_and_health_details():
         assert "/v1/completions" in http.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]
     with TestClient(build_app(ReplicaSet([EchoEngineClient()]), byte_level_tokenizer(), "echo")) as http:
         assert http.get("/openapi.json").status_code == 200  # no key: open, as before
+
+
+def test_default_queue_limit_follows_what_the_engines_can_run():
+    from types import SimpleNamespace
+
+    from tandem.engine import ipc
+    from tandem.server.launch import ServerArgs
+    from tandem.server.serving import default_queue_limit
+
+    def replica(max_running, pages, page_size=16, context=4096):
+        return SimpleNamespace(info=ipc.CoreReady(pid=1, model_path="/m", max_model_len=context, vocab_size=10,
+                                                  page_size=page_size, num_pages=pages, speculative_algorithm=None,
+                                                  max_running_requests=max_running))
+
+    # 64 running at most, but the pool holds 1024 * 16 / 2048 = 8 requests of 2048 tokens: 2 x 8 = 16.
+    assert default_queue_limit(SimpleNamespace(replicas=[replica(64, 1024)])) == 16
+    # A big pool: --max-running-requests decides; two replicas add up.
+    assert default_queue_limit(SimpleNamespace(replicas=[replica(32, 100_000)] * 2)) == 2 * (32 + 32)
+    # Short contexts count as what they are.
+    assert default_queue_limit(SimpleNamespace(replicas=[replica(256, 1024, context=128)])) == 2 * 128
+    assert ServerArgs(max_queued_requests=0).max_queued_requests == 0  # unlimited
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        ServerArgs(max_queued_requests=-1)

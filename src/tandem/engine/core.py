@@ -98,7 +98,8 @@ class EngineCore:
         return ipc.CoreReady(pid=os.getpid(), model_path=e.args.model_path, max_model_len=e.max_model_len,
                              vocab_size=e.arch.vocab_size, page_size=e.args.page_size,
                              num_pages=e.scheduler.allocator.num_total,
-                             speculative_algorithm=e.args.speculative_algorithm)
+                             speculative_algorithm=e.args.speculative_algorithm,
+                             max_running_requests=e.args.max_running_requests)
 
     def _send(self, msg) -> None:
         self.outputs.send(ipc.encode(msg))

@@ -50,6 +50,7 @@ class CoreReady:
     page_size: int
     num_pages: int
     speculative_algorithm: str | None
+    max_running_requests: int = 64
 
 
 # The engine's own per-step delta travels as is: tokens only, the front end detokenizes.

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.server.drain import Drain, shutting_down
 from tandem.server.errors import OpenAIError, bad_request, from_validation_error
 from tandem.server.json_body import parse_body
 from tandem.server.metrics import ServerMetrics
@@ -32,9 +33,11 @@ logger = logging.getLogger(__name__)
 
 def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_request_bytes: int = 16 << 20,
-              on_ready=None) -> FastAPI:
+              on_ready=None, drain: Drain | None = None) -> FastAPI:
     """`replicas` are started by the app's lifespan (and shut down with it); `on_ready(info)` is
-    called once every engine core is up."""
+    called once every engine core is up; `drain` (server/drain.py) is set off by the server's signal
+    handler."""
+    drain = drain or Drain(0.0)
     state: dict = {}
 
     @asynccontextmanager
@@ -42,7 +45,7 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         info = await replicas.start()
         metrics = ServerMetrics(replicas.statuses, info.speculative_algorithm is not None)
         state["metrics"] = metrics
-        state["serving"] = OpenAIServing(replicas, metrics, tokenizer, model_name, max_queued_requests)
+        state["serving"] = OpenAIServing(replicas, metrics, tokenizer, model_name, max_queued_requests, drain)
         if on_ready is not None:
             on_ready(info)
         try:
@@ -84,6 +87,8 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         # Unhealthy as soon as any replica is gone, though the others still serve: the deployment
         # is not what was asked for, and an orchestrator should restart it. Without the API key
         # (when one is set) only the status: process ids and queue lengths are not for anyone.
+        if drain.started:
+            raise shutting_down()
         reason = replicas.unhealthy_reason
         if reason is not None:
             detail = f": {reason}" if key_ok(request) else ""

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-GRACEFUL_SHUTDOWN_S = 5  # open connections get this long after SIGTERM / Ctrl-C
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # requests in flight get this long after SIGTERM (server/drain.py)
+GRACEFUL_SHUTDOWN_S = 5  # then uvicorn's own close of the connections
 
 
 @dataclass(frozen=True)
@@ -18,17 +19,22 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     served_model_name: str | None = None  # default: the model path (or "tandem-demo")
-    max_queued_requests: int | None = None  # requests sent to the engine with no token back yet
+    # Requests sent to the engine with no token back yet; None: the default (serving.default_queue_limit),
+    # 0: unlimited.
+    max_queued_requests: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535] (got {self.port})")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1 (got {self.max_queued_requests})")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 (got {self.max_queued_requests}; 0: unlimited)")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1 (got {self.max_request_bytes})")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds (got {self.shutdown_timeout})")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
 
@@ -40,6 +46,7 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     from tandem.demo import with_demo_pair
     from tandem.engine.engine import EngineArgs
     from tandem.server.app import build_app
+    from tandem.server.drain import Drain, DrainingServer
     from tandem.server.replicas import ReplicaSet
     from tandem.tokenizer import load_tokenizer
 
@@ -70,13 +77,14 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
             logger.info("serving %r at %s/v1 (OpenAI-compatible; /health, /metrics)%s", model_name, url,
                         "; API key required" if args.api_key else "")
 
+        drain = Drain(args.shutdown_timeout)
         app = build_app(replicas, tokenizer, model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-                        on_ready=on_ready)
+                        on_ready=on_ready, drain=drain)
         logger.info("waiting for the engine core to load the model")
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                 lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, drain)
         server.run()
         return 0 if server.started else 1
     finally:

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tandem.engine import ipc
 from tandem.request import SamplingParams, TokenLogprob
 from tandem.server.detokenizer import IncrementalDetokenizer
+from tandem.server.drain import Drain, shutting_down
 from tandem.server.engine_client import EngineClient, EngineDead
 from tandem.server.errors import OpenAIError, bad_request, from_sampling_params_error
 from tandem.server.metrics import ServerMetrics
@@ -66,7 +67,8 @@ class Generation:
     on one replica, picked at `start`; aborts go to it."""
 
     def __init__(self, replicas: ReplicaSet, metrics: ServerMetrics, prompts: list[list[int]],
-                 choices: list[Choice], prompt_param: str):
+                 choices: list[Choice], prompt_param: str, on_close=None):
+        self.on_close = on_close  # called once, when the generation is done with (drain bookkeeping)
         self.replicas = replicas
         self.replica: EngineClient | None = None
         self.metrics = metrics
@@ -98,6 +100,9 @@ class Generation:
             if isinstance(item, EngineDead):
                 self._end_all("error")
                 raise engine_unavailable(str(item))
+            if isinstance(item, OpenAIError):  # `interrupt`: the server is shutting down
+                self.close()
+                raise item
             if isinstance(item, ipc.RequestRejected):
                 self._open.discard(item.request_id)
                 raise bad_request(item.message, self.prompt_param)
@@ -127,17 +132,37 @@ class Generation:
             self.metrics.on_finished(reason, c.arrival, now)
         return Update(c, text, new_logprobs, reason)
 
+    def interrupt(self, error: OpenAIError) -> None:
+        """Ends the generation with `error` (raised by `next`), whatever is still running."""
+        self._queue.put_nowait(error)
+
     def close(self) -> None:
         """Aborts whatever has not finished (client gone, error); safe to call more than once."""
         if self._open:
             self.replica.abort(list(self._open))
             self._end_all("abort")
+        if self.on_close is not None:
+            self.on_close(self)
+            self.on_close = None
 
     def _end_all(self, reason: str) -> None:
         now = time.monotonic()
         for rid in self._open:
             self.metrics.on_finished(reason, self._by_id[rid].arrival, now)
         self._open.clear()
+
+
+def default_queue_limit(replicas: ReplicaSet) -> int:
+    """The default for --max-queued-requests: twice the requests the engine cores can run at once, each
+    replica counting min(--max-running-requests, requests of 2048 tokens (or the context length, if
+    shorter) its KV pool holds), and at least 16. Overload then shows as 503 + Retry-After instead of
+    client time-outs, while a burst of twice the engine's capacity still queues."""
+    runnable = 0
+    for replica in replicas.replicas:
+        i = replica.info
+        per_request = min(i.max_model_len, 2048)
+        runnable += min(i.max_running_requests, max(1, i.num_pages * i.page_size // per_request))
+    return max(16, 2 * runnable)
 
 
 def engine_unavailable(reason: str) -> OpenAIError:
@@ -171,12 +196,15 @@ async def _wait_disconnect(request: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, replicas: ReplicaSet, metrics: ServerMetrics, tokenizer, model_name: str,
-                 max_queued_requests: int | None):
+                 max_queued_requests: int | None, drain: Drain | None = None):
+        self.drain = drain or Drain(0.0)
         self.replicas = replicas
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_queued_requests = max_queued_requests
+        # None: the default, from what the engine cores can hold; 0: no limit.
+        self.max_queued_requests = (default_queue_limit(replicas) if max_queued_requests is None
+                                    else max_queued_requests or None)
         self._token_strs: dict[int, str] = {}
         self._max_token_chars: int | None = None  # the vocabulary's longest entry (_check_text_fits)
 
@@ -313,6 +341,8 @@ class OpenAIServing:
                max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
                api_names: dict[str, str], arrival: float) -> Generation:
         """Validates everything, then sends one engine request per (prompt, sample)."""
+        if self.drain.started:
+            raise shutting_down()
         if self.replicas.dead_reason is not None:
             raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
@@ -339,8 +369,10 @@ class OpenAIServing:
             raise OpenAIError(503, f"the server's request queue is full ({self.replicas.num_queued} waiting, "
                                    f"limit {self.max_queued_requests}); retry later",
                               code="queue_full", headers={"Retry-After": "1"})
-        gen = Generation(self.replicas, self.metrics, prompts, choices, prompt_param)
+        gen = Generation(self.replicas, self.metrics, prompts, choices, prompt_param,
+                         on_close=self.drain.active.discard)
         gen.start()
+        self.drain.active.add(gen)
         return gen
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
