@@ -35,6 +35,13 @@ def tp_device() -> str | None:
     return os.environ.get("TANDEM_TP_DEVICE") or None
 
 
+def tp_num_threads() -> int | None:
+    """TANDEM_TP_NUM_THREADS=N (set by tandem for the ranks it starts): CPU threads of a worker rank,
+    as many as rank 0 uses."""
+    raw = os.environ.get("TANDEM_TP_NUM_THREADS")
+    return int(raw) if raw else None
+
+
 def cuda_graph_emulate() -> bool:
     """TANDEM_CUDA_GRAPH_EMULATE=1 (tests only): on a CPU, run the CUDA-graph code path with the
     "replay" being a plain call on the static, padded inputs, so the padding logic is tested

@@ -119,3 +119,39 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie has exited (its parent is gone, init reaps it)
     except FileNotFoundError:
         return False
+
+
+UNGUARDED_SCRIPT = """
+import torch
+torch.set_num_threads(1)
+from tandem import Engine, SamplingParams
+import sys
+engine = Engine(sys.argv[1], tp_size=2, device="cpu", dtype="float32", page_size=4, max_total_tokens=1024)
+out = engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0.0))
+print("TOKENS", out[0].token_ids, flush=True)
+engine.shutdown()
+"""
+
+
+def test_script_without_main_guard_starts_tensor_parallelism(tp_models, tmp_path):
+    """The ranks run `python -m tandem.distributed.worker`: the user's script is not imported again."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    proc = subprocess.run([sys.executable, str(script), tp_models["llama3"]], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": src})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TOKENS [" in proc.stdout
+
+
+def test_rank_dying_at_startup_is_reported_at_once_with_its_output(tp_models, monkeypatch):
+    from tandem.distributed import rank_process
+
+    monkeypatch.setattr(rank_process, "WORKER_COMMAND", (
+        sys.executable, "-c", "import sys; sys.stderr.write('worker: cannot open the model\\n'); sys.exit(3)"))
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError) as e:
+        Engine(tp_models["llama3"], tp_size=2, **ENGINE)
+    assert time.monotonic() - start < 5
+    message = str(e.value)
+    assert "rank 1" in message and "exited with code 3" in message and "cannot open the model" in message

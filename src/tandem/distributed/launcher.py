@@ -6,21 +6,19 @@ their collectives pair up. Ranks 1..N-1 run `worker_loop`: receive, launch, coll
 sends None.
 
 Rendezvous uses torch.distributed's standard environment variables (MASTER_ADDR, MASTER_PORT,
-WORLD_SIZE, RANK). On one machine tandem sets them itself (a free local port) and spawns the other
-ranks; across machines the user sets them and starts `python -m tandem.distributed.worker` on each
-rank other than 0. Workers get the engine configuration from rank 0, so they take no model flags.
+WORLD_SIZE, RANK). On one machine tandem sets them itself (a free local port) and starts the other
+ranks as `python -m tandem.distributed.worker` subprocesses (distributed/rank_process.py); across
+machines the user sets them and starts that same command on each rank other than 0. Workers get the engine configuration from rank 0, so they take no model flags.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import socket
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 
 import torch
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from tandem import envs
 from tandem.distributed.parallel_state import TPGroup, check_tp_shapes
+from tandem.distributed.rank_process import RankProcess
 from tandem.runtime.model_runner import ModelRunner
 from tandem.runtime.step_result import StepResult
 
@@ -42,18 +41,45 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or stopped answering; the engine cannot continue."""
 
 
-def init_tp_group(world_size: int, rank: int, device: torch.device, control_timeout: timedelta) -> TPGroup:
-    """Joins the process group described by the rendezvous environment variables."""
+def init_tp_group(world_size: int, rank: int, device: torch.device, control_timeout: timedelta,
+                  workers: list = ()) -> TPGroup:
+    """Joins the process group described by the rendezvous environment variables. Rank 0 hosts the
+    rendezvous store and waits for every other rank to check in there first, watching the rank
+    processes it started (`workers`): one that dies is reported at once, with its exit code and last
+    output, instead of after the rendezvous timeout."""
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
         raise TensorParallelError("torch.distributed is already initialised in this process: one "
                                   "tensor-parallel engine per process")
-    dist.init_process_group(backend, init_method="env://", world_size=world_size, rank=rank,
-                            timeout=timedelta(seconds=envs.tp_timeout_s()))
+    timeout = timedelta(seconds=envs.tp_timeout_s())
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        _wait_for_ranks(store, world_size, workers, timeout)
+    else:
+        store.set(f"{CHECK_IN_KEY}{rank}", "1")
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=control_timeout)
     return TPGroup(rank, world_size, dist.group.WORLD, control)
+
+
+CHECK_IN_KEY = "tandem/rank_up/"
+
+
+def _wait_for_ranks(store, world_size: int, workers: list, timeout: timedelta) -> None:
+    keys = [f"{CHECK_IN_KEY}{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        dead = [w for w in workers if not w.is_alive()]
+        if dead:
+            raise TensorParallelError("tensor-parallel startup failed: " + "; ".join(w.describe() for w in dead))
+        if time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            raise TensorParallelError(f"tensor-parallel startup: ranks {', '.join(missing)} did not join within "
+                                      f"{timeout.total_seconds():.0f} s (TANDEM_TP_TIMEOUT_S)")
+        time.sleep(0.05)
 
 
 def _free_port() -> int:
@@ -89,19 +115,15 @@ def start_tensor_parallel(tp_size: int, config, arch, max_model_len: int, seed: 
     if spawn and device.type == "cuda" and torch.cuda.device_count() < tp_size:
         raise ValueError(f"tp_size={tp_size} needs {tp_size} GPUs on this machine, found {torch.cuda.device_count()}")
     if spawn:
-        ctx = multiprocessing.get_context("spawn")  # no inherited threads or CUDA state
         for rank in range(1, tp_size):
-            worker_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                          "TANDEM_TP_DEVICE": torch.device(config.load.device).type}
-            p = ctx.Process(target=_spawned_worker, name=f"tandem-tp-rank{rank}", daemon=True,
-                            args=(worker_env, torch.get_num_threads()))
-            p.start()
-            workers.append(p)
+            workers.append(RankProcess(rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                              "TANDEM_TP_DEVICE": device.type,
+                                              "TANDEM_TP_NUM_THREADS": str(torch.get_num_threads())}))
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     os.environ.update(env)
     tp = None
     try:
-        tp = init_tp_group(tp_size, 0, device, timedelta(seconds=envs.tp_timeout_s()))
+        tp = init_tp_group(tp_size, 0, device, timedelta(seconds=envs.tp_timeout_s()), workers)
         tp.broadcast_object((config, arch, max_model_len, seed))
         runner = ModelRunner(config, arch, max_model_len, tp=tp, **runner_hooks)
     except BaseException as e:
@@ -143,8 +165,7 @@ class TensorParallelRunner:
         a rank that is dying (its sockets closed before its process was reaped)."""
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
-                    for i, p in enumerate(self.workers) if not p.is_alive()]
+            dead = [p.describe() for p in self.workers if not p.is_alive()]
             if dead or time.monotonic() >= deadline:
                 return "; ".join(dead)
             time.sleep(0.05)
@@ -288,17 +309,3 @@ def worker_loop(runner, tp: TPGroup) -> None:
         inflight = handle
     if inflight is not None:
         runner.collect(inflight)
-
-
-def _spawned_worker(env: dict, num_threads: int) -> None:
-    os.environ.update(env)
-    torch.set_num_threads(num_threads)  # as many as rank 0 uses
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {env['RANK']}] %(name)s: %(message)s")
-    try:
-        worker_main()
-    except TensorParallelError as e:
-        logger.error("%s; exiting", e)
-        raise SystemExit(1)
-    except BaseException:
-        logger.error("tensor-parallel rank %s failed:\n%s", env["RANK"], traceback.format_exc())
-        raise SystemExit(1)
