@@ -3,6 +3,7 @@ handling that need no model."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -167,3 +168,77 @@ def test_default_queue_limit_follows_what_the_engines_can_run():
     assert ServerArgs(max_queued_requests=0).max_queued_requests == 0  # unlimited
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServerArgs(max_queued_requests=-1)
+
+
+def chat_app_client(tok=None):
+    from tests.server.helpers import CHAT_TEMPLATE
+
+    tok = tok or byte_level_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return TestClient(build_app(ReplicaSet([EchoEngineClient()]), tok, "echo"))
+
+
+def test_client_fields_vllm_and_sglang_accept(app_client):
+    # Usage in every chunk (serving benchmarks send it); harmless metadata; response_format text.
+    r = app_client.post("/v1/completions", json={
+        "prompt": "abcd", "max_tokens": 4, "stream": True, "metadata": {"k": "v"}, "store": False,
+        "service_tier": "auto", "user": "u", "response_format": {"type": "text"},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    with_text = [c for c in chunks if c["choices"]]
+    assert with_text and all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
+    assert [c["usage"]["completion_tokens"] for c in with_text] == sorted(c["usage"]["completion_tokens"] for c in with_text)
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    # include_stop_str_in_output keeps the stop string; without it the text ends before it.
+    body = {"prompt": "hello world", "max_tokens": 11, "stop": "o w"}
+    assert app_client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "hell"
+    kept = app_client.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == "hello w"
+    # Not supported yet: a clear 400 naming the field, not "unknown field".
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),):
+        r = app_client.post("/v1/completions", json={"prompt": "x", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert "not supported yet" in r.json()["error"]["message"]
+
+
+def test_chat_fields_tools_refused_and_template_options():
+    tok = byte_level_tokenizer()
+    with chat_app_client() as http:
+        base = {"messages": [{"role": "user", "content": "h"}, {"role": "assistant", "content": "H"}], "max_tokens": 1}
+        r = http.post("/v1/chat/completions", json={**base, "tools": [{"type": "function", "function": {"name": "f"}}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        r = http.post("/v1/chat/completions", json={**base, "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert http.post("/v1/chat/completions", json={**base, "tool_choice": "none"}).status_code == 200
+        # What the template was asked for shows in the prompt's length: continuing the assistant's
+        # message ends the prompt right after it; a new turn adds the generation prompt.
+        cont = http.post("/v1/chat/completions", json={**base, "continue_final_message": True,
+                                                       "add_generation_prompt": False}).json()
+        assert cont["usage"]["prompt_tokens"] == len(tok.encode("<|user|>h\n<|assistant|>H")), cont
+        new = http.post("/v1/chat/completions", json=base).json()
+        assert new["usage"]["prompt_tokens"] == len(tok.encode("<|user|>h\n<|assistant|>H\n<|assistant|>")), new
+        r = http.post("/v1/chat/completions", json={**base, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        r = http.post("/v1/chat/completions", json={**base, "chat_template_kwargs": {"add_generation_prompt": 1}})
+        assert r.status_code in (200, 400)  # passed to the template; never a 500
+
+
+def test_tokenize_detokenize_version_and_schema():
+    with chat_app_client() as http:
+        tok = byte_level_tokenizer()
+        r = http.post("/tokenize", json={"prompt": "héllo"}).json()
+        assert r["tokens"] == tok.encode("héllo") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 64
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert tok.decode(chat["tokens"]) == "<|user|>hi\n<|assistant|>"
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo"}
+        bad = http.post("/detokenize", json={"tokens": [1, 10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert http.post("/tokenize", json={}).status_code == 400
+        assert http.get("/version").json()["version"]
+        schema = http.get("/openapi.json").json()
+        body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        completion = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+        assert completion["properties"]["n"]["maximum"] == 128  # value ranges included
+        assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+        assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]

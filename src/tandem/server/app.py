@@ -20,11 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import tandem
 from tandem.server.drain import Drain, shutting_down
 from tandem.server.errors import OpenAIError, bad_request, from_validation_error
 from tandem.server.json_body import parse_body
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tandem.server.replicas import ReplicaSet
 from tandem.server.serving import OpenAIServing
 
@@ -137,7 +138,20 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         async def redoc():
             return get_redoc_html(openapi_url="/openapi.json", title="tandem")
 
+    @api.post("/tokenize")
+    async def tokenize(request: Request):
+        return await state["serving"].tokenize(await read_body(request, TokenizeRequest))
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request):
+        return await state["serving"].detokenize(await read_body(request, DetokenizeRequest))
+
+    @api.get("/version")
+    async def version():
+        return {"version": tandem.__version__}
+
     app.include_router(api)
+    app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError):
@@ -159,6 +173,35 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         return JSONResponse(OpenAIError(500, f"internal server error: {type(e).__name__}").body(), status_code=500)
 
     return app
+
+
+# Request bodies are read by hand (read_body), so FastAPI cannot see their models: the schema names
+# them here, from the same pydantic models that validate them.
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=tandem.__version__, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        op["responses"]["400"] = {"description": "a bad request: the error names the field"}
+    metrics = schema["paths"].get("/metrics", {}).get("get")
+    if metrics is not None:
+        metrics["responses"] = {"200": {"description": "Prometheus text format",
+                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 def _parse_and_validate(raw: bytes, model: type[BaseModel]):

@@ -16,9 +16,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop  # keep the stop string that ended the text (cut after it)
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (complete characters; cut before a stop string)
@@ -60,9 +62,10 @@ class IncrementalDetokenizer:
     def _find_stop(self, old_len: int) -> None:
         # Only text that is new, plus enough before it to finish a stop string, can hold a new hit.
         start = max(0, old_len - max(len(s) for s in self.stop) + 1)
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) != -1]
         if hits:
-            self.text = self.text[: min(hits)]
+            first, end = min(hits)
+            self.text = self.text[: end if self.include_stop else first]
             self._sent = min(self._sent, len(self.text))
             self.stopped = True
 

@@ -17,6 +17,13 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM/SGLang: usage so far in every chunk
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -35,7 +42,13 @@ class SamplingRequest(BaseModel):
     seed: Int64 | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    user: str | None = None  # accepted and ignored
+    # Accepted and ignored: they cannot change the output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    response_format: ResponseFormat | None = None  # only {"type": "text"} for now (serving.py says why)
+    include_stop_str_in_output: bool = False  # vLLM: the text keeps the stop string that ended it
     # extensions
     top_k: Int64 = -1
     min_p: float = 0.0
@@ -53,6 +66,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -91,3 +108,40 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int64 | None = None
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the output continues the last (assistant) message
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template
+    # Refused with a clear 400 until structured output and tool calling land.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt=false (it continues the last "
+                             "message instead of starting a new one)")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (as vLLM): a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (as vLLM)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Int64]

@@ -27,7 +27,8 @@ from tandem.server.drain import Drain, shutting_down
 from tandem.server.engine_client import EngineClient, EngineDead
 from tandem.server.errors import OpenAIError, bad_request, from_sampling_params_error
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tandem.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
+                                    TokenizeRequest)
 from tandem.server.replicas import ReplicaSet
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -152,6 +153,19 @@ class Generation:
         self._open.clear()
 
 
+def _refuse_unsupported(req: SamplingRequest) -> None:
+    """Fields that clients send and tandem cannot honour yet: a 400 saying so, never a silent ignore."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise bad_request(f"response_format: type {fmt.type!r} is not supported yet (structured output); "
+                          "only {'type': 'text'}", "response_format")
+    if getattr(req, "tools", None):
+        raise bad_request("tools: tool calling is not supported yet", "tools")
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None and choice != "none":
+        raise bad_request("tool_choice: tool calling is not supported yet (only 'none')", "tool_choice")
+
+
 def default_queue_limit(replicas: ReplicaSet) -> int:
     """The default for --max-queued-requests: twice the requests the engine cores can run at once, each
     replica counting min(--max-running-requests, requests of 2048 tokens (or the context length, if
@@ -227,7 +241,8 @@ class OpenAIServing:
                           req.logprobs, {"logprobs": "logprobs"}, arrival)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._completion_stream(gen, rid, created, req.include_usage), gen.close)
+            return SSEResponse(self._completion_stream(gen, rid, created, req.include_usage, req.continuous_usage),
+                               gen.close)
         if not await self._run_to_end(gen, http):
             return Response(status_code=499)
         choices = [{"index": c.index, "text": c.detok.text, "finish_reason": c.finish_reason,
@@ -250,8 +265,11 @@ class OpenAIServing:
             return [list(p)]
         return [list(ids) for ids in p] or [[]]
 
-    async def _completion_stream(self, gen: Generation, rid: str, created: int, include_usage: bool):
+    async def _completion_stream(self, gen: Generation, rid: str, created: int, include_usage: bool,
+                                 continuous_usage: bool = False):
         def chunk(choices, **extra):
+            if continuous_usage and "usage" not in extra:
+                extra["usage"] = self._usage(gen)
             return sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": choices, **extra})
 
@@ -287,7 +305,7 @@ class OpenAIServing:
                           {"logprobs": "top_logprobs", "max_new_tokens": max_tokens_name}, arrival)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage), gen.close)
+            return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage, req.continuous_usage), gen.close)
         if not await self._run_to_end(gen, http):
             return Response(status_code=499)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
@@ -302,14 +320,21 @@ class OpenAIServing:
             raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions "
                               "with a plain prompt", "messages", "no_chat_template")
         messages = [m.for_template() for m in req.messages]
+        extra = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            extra["continue_final_message"] = True
         try:
-            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
+                                          **extra)
         except Exception as e:  # jinja2 errors, or the template's own raise_exception(...)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
         return list(ids)
 
-    async def _chat_stream(self, gen: Generation, rid: str, created: int, include_usage: bool):
+    async def _chat_stream(self, gen: Generation, rid: str, created: int, include_usage: bool,
+                           continuous_usage: bool = False):
         def chunk(choices, **extra):
+            if continuous_usage and "usage" not in extra:
+                extra["usage"] = self._usage(gen)
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": self.model_name, "choices": choices, **extra})
 
@@ -331,6 +356,29 @@ class OpenAIServing:
         finally:
             gen.close()
 
+    # ---- /tokenize, /detokenize ---------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise bad_request("the model has no tokenizer", "prompt")
+        if req.prompt is not None:
+            self._check_text_fits(len(req.prompt), "prompt")
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = await asyncio.to_thread(self._chat_prompt, chat)
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self.replicas.info.max_model_len}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab = self.replicas.info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        if self.tokenizer is None:
+            raise bad_request("the model has no tokenizer", "tokens")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
+
     # ---- shared -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -343,6 +391,7 @@ class OpenAIServing:
         """Validates everything, then sends one engine request per (prompt, sample)."""
         if self.drain.started:
             raise shutting_down()
+        _refuse_unsupported(req)
         if self.replicas.dead_reason is not None:
             raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
@@ -363,7 +412,8 @@ class OpenAIServing:
                 # n samples of one request must differ, and stay reproducible under one seed.
                 seed = None if req.seed is None else req.seed + index
                 params = dataclasses.replace(base, max_new_tokens=n_new, seed=seed)
-                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                               req.include_stop_str_in_output)
                 choices.append(Choice(index, f"{uuid.uuid4().hex[:16]}-{index}", i, ids, params, detok, arrival))
         if self.max_queued_requests is not None and self.replicas.num_queued + len(choices) > self.max_queued_requests:
             raise OpenAIError(503, f"the server's request queue is full ({self.replicas.num_queued} waiting, "
