@@ -44,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: logprob of the chosen token; n>0: also the top-n alternatives
     logprobs: int | None = None
+    # Log-probabilities at the prompt's positions (each prompt token given the ones before it; the
+    # first has none): None: not computed; 0: the prompt token's own; n>0: also the top-n there.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -82,6 +85,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "must be None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -153,6 +159,8 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     spec_accept_lengths: list[int] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def accept_length_mean(self) -> float | None:
@@ -170,6 +178,7 @@ class RequestDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on the request's last delta
     accept_length: int | None = None  # speculative: tokens this verify step produced
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first delta, if asked
 
 
 @dataclass

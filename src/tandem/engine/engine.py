@@ -145,6 +145,10 @@ class Engine:
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
+        # Prompt logprobs by token index while the prompt is prefilled (a recompute gives them again:
+        # the first stays); handed out with the request's first delta.
+        self._prompt_logprobs: dict[str, dict[int, TokenLogprob]] = {}
+        self._prompt_logprobs_sent: set[str] = set()
 
     # ---- public API -------------------------------------------------------------------------
     def generate(
@@ -193,6 +197,8 @@ class Engine:
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params, self.eos_token_ids))
         self._detok[rid] = StopStringDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self._logprobs[rid] = []
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[rid] = {}
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -222,6 +228,11 @@ class Engine:
         update = self.scheduler.update(result.sampled, handle.iteration)
         finished = list(update.finished)
         by_id = {r.request_id: r for r in finished}
+        for rid, by_index in result.prompt_logprobs.items():
+            store = self._prompt_logprobs.get(rid)
+            if store is not None:
+                for t, lp in by_index.items():
+                    store.setdefault(t, lp)
         out = StepOutput()
         for rid, new_ids in update.new_token_ids.items():
             req = self.scheduler.get_request(rid) or by_id[rid]
@@ -240,8 +251,13 @@ class Engine:
             if rid in result.logprobs:
                 new_logprobs = result.logprobs[rid][: len(new_ids)]
                 self._logprobs[rid].extend(new_logprobs)
+            prompt_lps = None
+            if rid in self._prompt_logprobs and rid not in self._prompt_logprobs_sent:
+                self._prompt_logprobs_sent.add(rid)  # the prompt is all prefilled once a token comes
+                prompt_lps = self._prompt_logprob_list(req)
             out.deltas.append(RequestDelta(rid, list(new_ids), new_logprobs,
-                                           req.finish_reason.value if req.is_finished else None, accept_len))
+                                           req.finish_reason.value if req.is_finished else None, accept_len,
+                                           prompt_lps))
         out.finished = [self._final_output(req) for req in finished]
         if self._inflight is not None and not self.scheduler.has_unfinished():
             # The step in flight ran only for requests that have finished meanwhile: collect it now
@@ -310,6 +326,7 @@ class Engine:
         logprobs = None
         if req.sampling_params.logprobs is not None:
             logprobs = self._logprobs[req.request_id][: len(req.output_token_ids)]
+        prompt_lps = self._prompt_logprob_list(req) if req.request_id in self._prompt_logprobs else None
         self._forget(req.request_id)
         return RequestOutput(
             request_id=req.request_id,
@@ -319,8 +336,15 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             logprobs=logprobs,
             spec_accept_lengths=list(req.spec_accept_lengths),
+            prompt_logprobs=prompt_lps,
         )
+
+    def _prompt_logprob_list(self, req: Request) -> list[TokenLogprob | None]:
+        store = self._prompt_logprobs[req.request_id]
+        return [None] + [store.get(t) for t in range(1, len(req.prompt_token_ids))]
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+        self._prompt_logprobs_sent.discard(request_id)

@@ -22,6 +22,7 @@ from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
 from tandem.models.llama import LlamaAttention
 from tandem.models.registry import build_target_model
+from tandem.runtime import prompt_logprobs
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all, capture_batch_sizes
 from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.plain_state import PlainStatePool, PlainStepHandle
@@ -52,6 +53,7 @@ class FlatBatch:
     sample_index: list[int]  # row of the flat batch whose logits give each sampled request's token
     sample_request_ids: list[str]
     sample_positions: list[int]  # position of each sampled token (keys its noise)
+    first_row: dict[str, int] = field(default_factory=dict)  # request id -> its first row
     # Future chunks: rows of the flat batch whose input token is the device's last sampled token.
     future_rows: list[int] = field(default_factory=list)
     future_slots: list[int] = field(default_factory=list)
@@ -264,6 +266,7 @@ class ModelRunner:
         sample_index, sample_ids, sample_positions = [], [], []
         ps = self.page_size
         future_rows, future_slots = [], []
+        first_row: dict[str, int] = {}
         for chunk in sched.chunks:
             start = self.chunk_start(chunk)
             self._advance(chunk, start)
@@ -276,6 +279,7 @@ class ModelRunner:
             else:
                 self.sampling.admit_chunk(row, chunk)
             n = len(tokens)
+            first_row[chunk.request_id] = len(input_ids)
             input_ids.extend(tokens)
             positions.extend(range(start, start + n))
             seq_slots = positions_to_slots(chunk.page_ids, range(start + n), ps)
@@ -287,8 +291,8 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
                 sample_positions.append(start + n)
         attention = AttentionBatch(query_lens, kv_slots, slots)
-        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, sample_positions, future_rows,
-                         future_slots)
+        return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, sample_positions, first_row,
+                         future_rows, future_slots)
 
     def choose_draft_shape(self, sched: SchedulerOutput):
         """The draft shape of this step's verify rows (adaptive speculation), or None: the runner's own
@@ -338,7 +342,11 @@ class ModelRunner:
         else:
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
+            handle.prompt_logprob_rows = prompt_logprobs.rows_for(sched.chunks, batch.first_row)
+            prompt_outputs = ({} if handle.prompt_logprob_rows is None else
+                              prompt_logprobs.compute(self.model, hidden, handle.prompt_logprob_rows))
             if not batch.sample_index:
+                self._copy_to_host(handle, prompt_outputs)
                 return handle
             handle.request_ids = batch.sample_request_ids
             logits = self.model.compute_logits(hidden[self._upload(batch.sample_index, handle)])
@@ -353,16 +361,22 @@ class ModelRunner:
         if features.logprobs is not None:
             outputs["logprob"], outputs["top_vals"], outputs["top_ids"] = token_logprobs(logits, token_ids,
                                                                                          features.logprobs)
+        if handle.prompt_logprob_rows is not None:
+            outputs.update(prompt_outputs)
+        self._copy_to_host(handle, outputs)
+        return handle
+
+    def _copy_to_host(self, handle: PlainStepHandle, outputs: dict[str, torch.Tensor]) -> None:
+        """Pinned host copies of the step's results, and one event after them (on a GPU)."""
         pin = self.device.type == "cuda"
         for name, t in outputs.items():
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             handle.host[name] = host
             handle.keep_alive.append(t)
-        if pin:
+        if pin and outputs:
             handle.ready = torch.cuda.Event()
             handle.ready.record()
-        return handle
 
     def _upload(self, values: list[int], handle: PlainStepHandle) -> torch.Tensor:
         """A small index tensor on the device without a host sync: `torch.tensor(..., device=cuda)`
@@ -373,11 +387,14 @@ class ModelRunner:
 
     def _collect_plain(self, handle: PlainStepHandle) -> StepResult:
         result = StepResult()
-        if not handle.request_ids:
-            return result
         if handle.ready is not None:
             handle.ready.synchronize()
         host = handle.host
+        if handle.prompt_logprob_rows is not None:
+            result.prompt_logprobs = prompt_logprobs.collect(handle.prompt_logprob_rows, host)
+        if not handle.request_ids:
+            handle.keep_alive.clear()
+            return result
         token_ids = host["token_ids"].tolist()
         for i, rid in enumerate(handle.request_ids):
             result.sampled[rid] = [token_ids[i]]

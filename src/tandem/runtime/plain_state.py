@@ -28,3 +28,4 @@ class PlainStepHandle:
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: torch.cuda.Event | None = None  # None on a CPU (the copies were synchronous)
     keep_alive: list = field(default_factory=list)  # device tensors the copies read
+    prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of this step

@@ -14,6 +14,8 @@ class StepResult:
     accept_lengths: dict[str, int] = field(default_factory=dict)  # speculative: tokens per verify step
     spec_max_depth: int = 0
     spec_num_proposed: int = 0  # draft tokens each verify row proposed this step
+    # request id -> {index of a prompt token: its logprob} (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
 
 
 def collect_logprobs(wanted: dict[str, int], request_ids, tokens, lens, chosen, top_v, top_i, result: StepResult

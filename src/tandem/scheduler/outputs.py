@@ -25,6 +25,9 @@ class ScheduledChunk:
     # Tokens (prompt + outputs) the request had when scheduled: on a first chunk, what the runner must
     # count as already produced (a recompute after preemption re-feeds earlier outputs).
     request_len: int = 0
+    # The token right after this chunk when it is known (a prompt chunk before the last one), else -1:
+    # the prompt-logprob target of the chunk's last position.
+    next_token: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -199,6 +199,7 @@ class Scheduler:
             is_future=future,
             seed=req.sampling_seed,
             request_len=req.num_tokens,
+            next_token=_next_prompt_token(req, start + len(token_ids)) if not future else -1,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -310,3 +311,10 @@ def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
     head = prompt[start:end] if start < p else []
     tail = outputs[max(start - p, 0):end - p] if end > p else []
     return tuple(head) + tuple(tail)
+
+
+def _next_prompt_token(req: Request, end: int) -> int:
+    """The prompt token at position `end`, for requests that want prompt logprobs (else -1)."""
+    if req.sampling_params.prompt_logprobs is None or end >= len(req.prompt_token_ids):
+        return -1
+    return req.prompt_token_ids[end]

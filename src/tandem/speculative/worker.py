@@ -34,6 +34,7 @@ import torch
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures, choose_tokens, token_logprobs
 from tandem.models.llama import StepContext
+from tandem.runtime import prompt_logprobs
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
@@ -94,6 +95,7 @@ class SpecStepHandle:
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
+    prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
     keep_alive: list = field(default_factory=list)
 
 
@@ -437,6 +439,9 @@ class SpecWorker:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
+        handle.prompt_logprob_rows = prompt_logprobs.rows_for(chunks, first_row)
+        if handle.prompt_logprob_rows is not None:
+            outputs.update(prompt_logprobs.compute(runner.model, hidden, handle.prompt_logprob_rows))
         sampling = [c for c in chunks if c.sample]
         sampled = None
         if sampling:
@@ -532,6 +537,8 @@ class SpecWorker:
         self.streams.host_wait(handle.ready)
         self.streams.read(f"results[{handle.iteration}]", "host")
         host = handle.host
+        if handle.prompt_logprob_rows is not None:
+            result.prompt_logprobs = prompt_logprobs.collect(handle.prompt_logprob_rows, host)
         if handle.prefill_ids:
             tokens = host["prefill_tokens"].tolist()
             for i, rid in enumerate(handle.prefill_ids):
