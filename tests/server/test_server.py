@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -203,7 +204,6 @@ BAD_REQUESTS = [
     (C, {"prompt": "x" * 5000}, 400, "prompt", "context_length_exceeded", ["5000", str(MAX_MODEL_LEN)]),
     (C, {"prompt": "x" * 100, "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded",
      ["5000", "100", str(MAX_MODEL_LEN)]),
-    (C, {"prompt": "x", "echo": True}, 400, "echo", None, []),
     (C, {"prompt": "x", "model": "gpt-17"}, 404, "model", "model_not_found", ["gpt-17"]),
     (CHAT, {"messages": []}, 400, "messages", None, []),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role", None, []),
@@ -404,3 +404,48 @@ def test_speculative_server_metrics_engine_death_and_sigterm(spec_server, ref_en
     # SIGTERM still shuts the front end down promptly.
     spec_server.sigterm_and_check(timeout=15)
     assert not pid_alive(engine_pid)
+
+
+def hf_prompt_logprobs(ckpt: str, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+
+
+def test_echo_logprobs_as_evaluation_harnesses_read_them(server, chat_ckpt, ref_engine):
+    """The log-likelihood request of evaluation harnesses, unmodified: token ids, max_tokens 1 (and 0),
+    logprobs 1, echo, temperature 0; prompt logprobs against transformers' log-softmax."""
+    ids = ref_engine.tokenizer.encode("The quick brown fox")
+    want = hf_prompt_logprobs(chat_ckpt, ids)
+    http = httpx.Client(base_url=server.url, headers=AUTH, timeout=30)
+    for max_tokens in (1, 0):
+        r = http.post(C, json={"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "logprobs": 1,
+                               "echo": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for t in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][t] - want[t - 1, ids[t]].item()) <= 1e-4, t
+            assert len(lp["top_logprobs"][t]) == 1
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert choice["text"].startswith("The quick brown fox")
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+    # vLLM's prompt_logprobs field.
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0})
+    plps = r.json()["choices"][0]["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == len(ids)
+    assert abs(plps[1][str(ids[1])]["logprob"] - want[0, ids[1]].item()) <= 1e-4
+    assert 2 <= len(plps[1]) <= 3  # the prompt token and the top 2 (it may be one of them)
+    # Streaming: the prompt comes first, with its logprobs.
+    with http.stream("POST", C, json={"model": MODEL_NAME, "prompt": "The quick", "max_tokens": 2, "logprobs": 0,
+                                       "echo": True, "stream": True, "temperature": 0}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"].startswith("The quick")
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 0})
+    check_error(r, 400, "max_tokens")  # 0 only with echo

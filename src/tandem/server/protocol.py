@@ -76,7 +76,8 @@ class CompletionRequest(SamplingRequest):
     # a string, strings (a batch), token ids, or lists of token ids (a batch)
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     logprobs: Int64 | None = None  # top alternatives per token, besides the chosen one
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too; max_tokens 0 allowed)
+    prompt_logprobs: Int64 | None = None  # vLLM: each prompt token's logprob and the top n there
     suffix: str | None = None
     best_of: Int64 | None = None
 

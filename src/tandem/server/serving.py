@@ -53,6 +53,8 @@ class Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     chars_sent: int = 0  # streamed text so far (completions logprobs text_offset)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta, when asked
+    output_hidden: bool = False  # echo with max_tokens 0: the one token generated is not returned
 
 
 @dataclass
@@ -117,6 +119,8 @@ class Generation:
         c.first_token_at = c.first_token_at or now
         c.last_token_at = now
         c.token_ids.extend(new)
+        if delta.prompt_logprobs is not None:
+            c.prompt_logprobs = delta.prompt_logprobs
         if delta.accept_length is not None:
             c.accept_lengths.append(delta.accept_length)
         new_logprobs = (delta.logprobs or []) if c.params.logprobs is not None else []
@@ -230,26 +234,85 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(req.model)
-        if req.echo:
-            raise bad_request("echo: not supported", "echo")
         if req.suffix is not None:
             raise bad_request("suffix: not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of: only best_of == n is supported", "best_of")
         prompts = await self._completion_prompts(req)
-        gen = self._start(req, prompts, "prompt", req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                          req.logprobs, {"logprobs": "logprobs"}, arrival)
+        # echo with max_tokens 0 (log-likelihood of the prompt alone): the engine needs one new token,
+        # which is then not returned.
+        echo_only = req.echo and req.max_tokens == 0
+        prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            prompt_lps = max(prompt_lps or 0, req.prompt_logprobs)
+        gen = self._start(req, prompts, "prompt", 1 if echo_only else req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                          req.logprobs, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}, arrival,
+                          prompt_logprobs=prompt_lps)
+        for c in gen.choices:
+            c.output_hidden = echo_only
+        texts = self._prompt_texts(req, prompts) if req.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._completion_stream(gen, rid, created, req.include_usage, req.continuous_usage),
-                               gen.close)
+            return SSEResponse(self._completion_stream(gen, rid, created, req.include_usage, req.continuous_usage,
+                                                       req, texts), gen.close)
         if not await self._run_to_end(gen, http):
             return Response(status_code=499)
-        choices = [{"index": c.index, "text": c.detok.text, "finish_reason": c.finish_reason,
-                    "logprobs": self._completion_logprobs(c.logprobs, 0) if c.params.logprobs is not None else None}
-                   for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            text = "" if c.output_hidden else c.detok.text
+            lps = [] if c.output_hidden else c.logprobs
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = (self._echo_logprobs(c, lps, texts[c.prompt_index]) if req.echo
+                            else self._completion_logprobs(lps, 0))
+            choice = {"index": c.index, "text": (texts[c.prompt_index] if req.echo else "") + text,
+                      "finish_reason": c.finish_reason, "logprobs": logprobs}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c, req.prompt_logprobs)
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(gen)})
+
+    def _prompt_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What echo returns before the completion: the prompt as sent (text), or decoded (token ids)."""
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], str):
+            return list(p)
+        return [self.tokenizer.decode(ids) if self.tokenizer is not None else "" for ids in prompts]
+
+    def _echo_logprobs(self, c: Choice, lps: list[TokenLogprob], prompt_text: str) -> dict:
+        """OpenAI's legacy shape over prompt + completion: the first prompt token has no logprob (null,
+        and null top_logprobs); offsets run through the prompt text, then the completion's."""
+        prompt = c.prompt_logprobs or [None] * len(c.prompt_token_ids)
+        tokens, offsets, values, tops = [], [], [], []
+        offset = 0
+        for t, token_id in enumerate(c.prompt_token_ids):
+            s = self._token_str(token_id)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            lp = prompt[t] if t < len(prompt) else None
+            values.append(None if lp is None else _finite(lp.logprob))
+            tops.append(None if lp is None else {self._token_str(i): _finite(v) for i, v in lp.top})
+        rest = self._completion_logprobs(lps, len(prompt_text))
+        return {"tokens": tokens + rest["tokens"], "token_logprobs": values + rest["token_logprobs"],
+                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}
+
+    def _vllm_prompt_logprobs(self, c: Choice, top_n: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob,
+        decoded_token}} for the prompt token and the top n there."""
+        out: list[dict | None] = []
+        for lp in c.prompt_logprobs or [None] * len(c.prompt_token_ids):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "decoded_token": self._token_str(lp.token_id)}}
+            for i, v in lp.top[:top_n]:
+                entry.setdefault(str(i), {"logprob": _finite(v), "decoded_token": self._token_str(i)})
+            out.append(entry)
+        return out
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
@@ -266,21 +329,38 @@ class OpenAIServing:
         return [list(ids) for ids in p] or [[]]
 
     async def _completion_stream(self, gen: Generation, rid: str, created: int, include_usage: bool,
-                                 continuous_usage: bool = False):
+                                 continuous_usage: bool = False, req: CompletionRequest | None = None,
+                                 texts: list[str] | None = None):
         def chunk(choices, **extra):
             if continuous_usage and "usage" not in extra:
                 extra["usage"] = self._usage(gen)
             return sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": choices, **extra})
 
+        echoed: set[int] = set()  # choices whose prompt text went out
+        prompt_lps_sent: set[int] = set()
         try:
             while (u := await gen.next()) is not None:
                 c = u.choice
-                lp = self._completion_logprobs(u.logprobs, c.chars_sent) if c.params.logprobs is not None else None
-                c.chars_sent += len(u.text)
-                if u.text or u.logprobs or u.finish_reason:
-                    yield chunk([{"index": c.index, "text": u.text, "logprobs": lp,
-                                  "finish_reason": u.finish_reason}])
+                text, new_lps = ("", []) if c.output_hidden else (u.text, u.logprobs)
+                lp = None
+                if c.params.logprobs is not None:
+                    lp = self._completion_logprobs(new_lps, c.chars_sent)
+                if texts is not None and c.index not in echoed:
+                    # echo: the prompt (and its logprobs) comes first, in the choice's first chunk
+                    echoed.add(c.index)
+                    prompt_text = texts[c.prompt_index]
+                    if c.params.logprobs is not None:
+                        lp = self._echo_logprobs(c, new_lps, prompt_text)
+                    text = prompt_text + text
+                c.chars_sent += len(text)
+                if text or new_lps or u.finish_reason or lp:
+                    body = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": u.finish_reason}
+                    if (req is not None and req.prompt_logprobs is not None and c.prompt_logprobs is not None
+                            and c.index not in prompt_lps_sent):
+                        prompt_lps_sent.add(c.index)
+                        body["prompt_logprobs"] = self._vllm_prompt_logprobs(c, req.prompt_logprobs)
+                    yield chunk([body])
             if include_usage:
                 yield chunk([], usage=self._usage(gen))
             yield "data: [DONE]\n\n"
@@ -387,7 +467,7 @@ class OpenAIServing:
 
     def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str,
                max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-               api_names: dict[str, str], arrival: float) -> Generation:
+               api_names: dict[str, str], arrival: float, prompt_logprobs: int | None = None) -> Generation:
         """Validates everything, then sends one engine request per (prompt, sample)."""
         if self.drain.started:
             raise shutting_down()
@@ -395,7 +475,7 @@ class OpenAIServing:
         if self.replicas.dead_reason is not None:
             raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
-        base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names)
+        base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names, prompt_logprobs)
         choices = []
         for i, ids in enumerate(prompts):
             room = self._check_prompt(ids, prompt_param)
@@ -426,14 +506,14 @@ class OpenAIServing:
         return gen
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                         names: dict[str, str]) -> SamplingParams:
+                         names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise from_sampling_params_error(e, names) from None
 
@@ -486,7 +566,7 @@ class OpenAIServing:
 
     def _usage(self, gen: Generation) -> dict:
         prompt_tokens = sum(len(p) for p in gen.prompts)  # once per prompt, whatever n is
-        completion_tokens = sum(len(c.token_ids) for c in gen.choices)
+        completion_tokens = sum(len(c.token_ids) for c in gen.choices if not c.output_hidden)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
         if self.speculative:
