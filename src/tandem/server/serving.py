@@ -224,6 +224,7 @@ class OpenAIServing:
         self.max_queued_requests = (default_queue_limit(replicas) if max_queued_requests is None
                                     else max_queued_requests or None)
         self._token_strs: dict[int, str] = {}
+        self._shown_lens: dict[int, int] = {}
         self._max_token_chars: int | None = None  # the vocabulary's longest entry (_check_text_fits)
 
     @property
@@ -289,10 +290,9 @@ class OpenAIServing:
         tokens, offsets, values, tops = [], [], [], []
         offset = 0
         for t, token_id in enumerate(c.prompt_token_ids):
-            s = self._token_str(token_id)
-            tokens.append(s)
+            tokens.append(self._token_str(token_id))
             offsets.append(offset)
-            offset += len(s)
+            offset += self._shown_len(token_id)
             lp = prompt[t] if t < len(prompt) else None
             values.append(None if lp is None else _finite(lp.logprob))
             tops.append(None if lp is None else {self._token_str(i): _finite(v) for i, v in lp.top})
@@ -574,6 +574,15 @@ class OpenAIServing:
             usage["mean_accept_length"] = sum(lengths) / len(lengths) if lengths else None
             usage["spec_verify_steps"] = len(lengths)
         return usage
+
+    def _shown_len(self, token_id: int) -> int:
+        """Characters the token adds to decoded text (0 for special tokens such as BOS, which the echoed
+        prompt text does not show): what text_offset advances by."""
+        n = self._shown_lens.get(token_id)
+        if n is None:
+            n = len(self.tokenizer.decode([token_id], skip_special_tokens=True)) if self.tokenizer is not None else 0
+            self._shown_lens[token_id] = n
+        return n
 
     def _token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
