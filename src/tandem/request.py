@@ -42,6 +42,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn before this many new tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: in [-100, 100])
     # None: no logprobs; 0: logprob of the chosen token; n>0: also the top-n alternatives
     logprobs: int | None = None
     # Log-probabilities at the prompt's positions (each prompt token given the ones before it; the
@@ -83,6 +85,13 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad("min_tokens", "must be an integer in [0, max_new_tokens]")
+        if self.logit_bias is not None:
+            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 300
+                    or any(not isinstance(t, int) or t < 0 for t in self.logit_bias)
+                    or any(not _finite(v) or not -100 <= v <= 100 for v in self.logit_bias.values())):
+                bad("logit_bias", "must map at most 300 token ids to numbers in [-100, 100]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be None or an integer in [0, 20]")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
@@ -95,7 +104,9 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        """Whether the stage that edits each row's logits runs: penalties, logit bias, min_tokens."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def _finite(x: object) -> bool:

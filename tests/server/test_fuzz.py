@@ -38,7 +38,7 @@ def bounded_schema(model) -> dict:
     # Sampling values mostly in range, so that the schema's branch is mostly valid (mutations break it).
     for name, lo, hi in (("temperature", 0, 2), ("top_p", 0.05, 1), ("min_p", 0, 1), ("top_k", -1, 50),
                          ("frequency_penalty", -2, 2), ("presence_penalty", -2, 2), ("repetition_penalty", 0.5, 2),
-                         ("seed", 0, 1000), ("prompt_logprobs", 0, 3)):
+                         ("seed", 0, 1000), ("prompt_logprobs", 0, 3), ("min_tokens", 0, 2)):
         if name in props:
             target = props[name]["anyOf"][0] if "anyOf" in props[name] else props[name]
             target.update(minimum=lo, maximum=hi)

@@ -449,3 +449,28 @@ def test_echo_logprobs_as_evaluation_harnesses_read_them(server, chat_ckpt, ref_
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
     r = http.post(C, json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 0})
     check_error(r, 400, "max_tokens")  # 0 only with echo
+
+
+def test_logit_bias_min_tokens_and_best_of(server, ref_engine):
+    http = httpx.Client(base_url=server.url, headers=AUTH, timeout=30)
+    target = ref_engine.tokenizer.encode("Z")[-1]
+    r = http.post(C, json={"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(target): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "Z" * 5  # a bias of 100 wins every step
+    check_error(http.post(C, json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias")
+    check_error(http.post(C, json={"prompt": "x", "logit_bias": {"5": 500}}), 400, "logit_bias")
+    # min_tokens keeps a stop token out of the first outputs.
+    first = http.post(C, json={"prompt": "Hello", "max_tokens": 1, "temperature": 0}).json()["choices"][0]["text"]
+    stop_id = ref_engine.tokenizer.encode(first)[-1]
+    r = http.post(C, json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "stop_token_ids": [stop_id],
+                           "min_tokens": 4, "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] >= 4
+    # best_of: the sample with the highest cumulative logprob among best_of (seeded: sample i uses seed + i).
+    body = {"prompt": "Once", "max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    all3 = http.post(C, json={**body, "n": 3, "logprobs": 0}).json()["choices"]
+    best = http.post(C, json={**body, "n": 1, "best_of": 3}).json()
+    want = max(all3, key=lambda ch: sum(ch["logprobs"]["token_logprobs"]))
+    assert [ch["text"] for ch in best["choices"]] == [want["text"]] and best["choices"][0]["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == 18  # every sample counts
+    check_error(http.post(C, json={**body, "n": 2, "best_of": 1}), 400, "best_of")
+    check_error(http.post(C, json={**body, "best_of": 2, "stream": True}), 400, "best_of")

@@ -109,7 +109,7 @@ def encode(msg) -> bytes:
 
 
 def decode(data: bytes):
-    name, body = msgpack.unpackb(data, raw=False)
+    name, body = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias maps int keys
     return _build(MESSAGES[name], body)
 
 

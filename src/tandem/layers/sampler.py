@@ -97,6 +97,10 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None  # [R] float32
     output_counts: torch.Tensor | None = None  # [R, V] float32: each token's count in the outputs so far
     prompt_mask: torch.Tensor | None = None  # [R, V] bool: the token occurs in the prompt
+    logit_bias: torch.Tensor | None = None  # [R, V] float32: added to the logits
+    suppress: torch.Tensor | None = None  # [R, V] bool: not drawable while the row has < min_tokens outputs
+    min_tokens: torch.Tensor | None = None  # [R] int64
+    num_prompt: torch.Tensor | None = None  # [R] int64: position - num_prompt = index among the outputs
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int], device="cpu",
@@ -131,18 +135,28 @@ class SamplingMetadata:
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition, frequency and presence penalties. logits: [R, V] float32; never written.
+    """Repetition, frequency and presence penalties, then logit bias and min_tokens. logits: [R, V]
+    float32; never written.
 
     Repetition (HF `RepetitionPenaltyLogitsProcessor`): each token of prompt + output gets logit / p
     if the logit is positive, logit * p otherwise. Frequency / presence (OpenAI):
-    logit -= frequency * count_in_output + presence * (count > 0). Rows with neutral values are unchanged.
+    logit -= frequency * count_in_output + presence * (count > 0). Logit bias (OpenAI): added. min_tokens
+    (HF `MinNewTokensLengthLogitsProcessor`): EOS and stop ids at -inf before that many outputs. Rows
+    with neutral values are unchanged.
     """
     counts = meta.output_counts
     seen_in_output = counts > 0
     seen = seen_in_output | meta.prompt_mask
     rep = meta.repetition_penalty[:, None]
     out = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return out - meta.frequency_penalty[:, None] * counts - meta.presence_penalty[:, None] * seen_in_output.float()
+    out = out - meta.frequency_penalty[:, None] * counts - meta.presence_penalty[:, None] * seen_in_output.float()
+    if meta.logit_bias is not None:
+        out = out + meta.logit_bias
+    if meta.suppress is not None:
+        # min_tokens: the tokens that would end the request are out until it has that many outputs.
+        early = (meta.position - meta.num_prompt) < meta.min_tokens  # [R]
+        out = out.masked_fill(meta.suppress & early[:, None], float("-inf"))
+    return out
 
 
 # ---------------------------------------------------------------------------

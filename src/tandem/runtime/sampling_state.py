@@ -35,6 +35,11 @@ class SamplingState:
         self.presence_penalty = torch.zeros(num_rows, **f32)
         self.output_counts: torch.Tensor | None = None  # [rows, V] float32
         self.prompt_mask: torch.Tensor | None = None  # [rows, V] bool
+        # logit_bias and min_tokens, allocated with the penalty tables (the same stage applies them).
+        self.logit_bias: torch.Tensor | None = None  # [rows, V] float32
+        self.suppress: torch.Tensor | None = None  # [rows, V] bool: not drawable before min_tokens
+        self.min_tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.num_prompt = torch.zeros(num_rows, dtype=torch.int64, device=device)
         # Per row, the tokens (prompt + outputs) its request had when admitted: a recompute after
         # preemption re-feeds earlier outputs, which count as outputs; later ones were counted when sampled.
         self.admitted_len = [0] * num_rows
@@ -44,12 +49,13 @@ class SamplingState:
         every chunk adds its tokens to the penalty state."""
         if chunk.start_pos == 0:
             self.admitted_len[row] = chunk.request_len
-            self.admit(row, chunk.sampling_params, chunk.seed)
+            self.admit(row, chunk.sampling_params, chunk.seed, chunk.num_prompt_tokens, chunk.suppress_ids)
         if self.output_counts is not None:
             self.record_known_tokens(row, chunk.token_ids, chunk.start_pos, chunk.num_prompt_tokens,
                                      self.admitted_len[row])
 
-    def admit(self, row: int, params: SamplingParams, seed: int) -> None:
+    def admit(self, row: int, params: SamplingParams, seed: int, num_prompt: int = 0,
+              suppress_ids: tuple[int, ...] = ()) -> None:
         """Writes a request's parameters into its row (scalar fills: no host sync) and clears its counts."""
         values = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                       seed=seed, repetition_penalty=params.repetition_penalty,
@@ -60,9 +66,20 @@ class SamplingState:
             rows = self.temperature.shape[0]
             self.output_counts = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
             self.prompt_mask = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
+            self.logit_bias = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+            self.suppress = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
+        self.min_tokens[row] = params.min_tokens
+        self.num_prompt[row] = num_prompt
         if self.output_counts is not None:
             self.output_counts[row].zero_()
             self.prompt_mask[row].zero_()
+            self.logit_bias[row].zero_()
+            self.suppress[row].zero_()
+            if params.logit_bias:
+                ids = [t for t in params.logit_bias if t < self.vocab]  # ids past the vocabulary: no token
+                self.logit_bias[row, self._upload(ids)] = self._upload(
+                    [float(params.logit_bias[t]) for t in ids], torch.float32)
+            self._add(self.suppress, row, [t for t in suppress_ids if t < self.vocab])
 
     def record_known_tokens(self, row: int, token_ids, start_pos: int, num_prompt: int, admitted_len: int) -> None:
         """Penalty state for a chunk of known tokens at [start_pos, ...): prompt tokens into the prompt set,
@@ -74,11 +91,14 @@ class SamplingState:
         self._add(self.prompt_mask, row, prompt)
         self._add(self.output_counts, row, earlier_outputs)
 
+    def _upload(self, values: list, dtype=torch.int64) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _add(self, table: torch.Tensor, row: int, tokens: list[int]) -> None:
         if not tokens:
             return
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        ids = ids.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else ids
+        ids = self._upload(tokens)
         if table.dtype == torch.bool:
             table[row, ids] = True
         else:
@@ -106,4 +126,8 @@ class SamplingState:
             counts = self.output_counts[rows]
             meta.output_counts = counts if extra_counts is None else counts + extra_counts
             meta.prompt_mask = self.prompt_mask[rows]
+            meta.logit_bias = self.logit_bias[rows]
+            meta.suppress = self.suppress[rows]
+            meta.min_tokens = self.min_tokens[rows]
+            meta.num_prompt = self.num_prompt[rows]
         return meta

@@ -28,6 +28,8 @@ class ScheduledChunk:
     # The token right after this chunk when it is known (a prompt chunk before the last one), else -1:
     # the prompt-logprob target of the chunk's last position.
     next_token: int = -1
+    # min_tokens: the ids the sampler must not draw before then (stop_token_ids, and EOS unless ignored)
+    suppress_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

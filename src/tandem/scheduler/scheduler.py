@@ -200,6 +200,7 @@ class Scheduler:
             seed=req.sampling_seed,
             request_len=req.num_tokens,
             next_token=_next_prompt_token(req, start + len(token_ids)) if not future else -1,
+            suppress_ids=_min_tokens_suppressed(req) if start == 0 and not future else (),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -318,3 +319,12 @@ def _next_prompt_token(req: Request, end: int) -> int:
     if req.sampling_params.prompt_logprobs is None or end >= len(req.prompt_token_ids):
         return -1
     return req.prompt_token_ids[end]
+
+
+def _min_tokens_suppressed(req: Request) -> tuple[int, ...]:
+    """The tokens that would end the request, which min_tokens keeps out of its first outputs."""
+    params = req.sampling_params
+    if params.min_tokens <= 0:
+        return ()
+    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(req.eos_token_ids))
+    return tuple(sorted(ids))

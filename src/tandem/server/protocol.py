@@ -49,6 +49,8 @@ class SamplingRequest(BaseModel):
     service_tier: str | None = None
     response_format: ResponseFormat | None = None  # only {"type": "text"} for now (serving.py says why)
     include_stop_str_in_output: bool = False  # vLLM: the text keeps the stop string that ended it
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    min_tokens: Int64 = 0  # vLLM: no EOS or stop token before this many new tokens
     # extensions
     top_k: Int64 = -1
     min_p: float = 0.0

@@ -237,8 +237,12 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix is not None:
             raise bad_request("suffix: not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of: only best_of == n is supported", "best_of")
+        best_of = req.n if req.best_of is None else req.best_of
+        if best_of < req.n or best_of > 128:
+            raise bad_request(f"best_of: must be between n ({req.n}) and 128", "best_of")
+        if best_of > req.n and req.stream:
+            raise bad_request("best_of: cannot stream when best_of > n (the best are known only at the end)",
+                              "best_of")
         prompts = await self._completion_prompts(req)
         # echo with max_tokens 0 (log-likelihood of the prompt alone): the engine needs one new token,
         # which is then not returned.
@@ -246,9 +250,11 @@ class OpenAIServing:
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
         if req.prompt_logprobs is not None:
             prompt_lps = max(prompt_lps or 0, req.prompt_logprobs)
+        # best_of > n needs each sample's cumulative logprob: the chosen tokens' logprobs at least.
+        logprobs = req.logprobs if best_of == req.n or req.logprobs is not None else 0
         gen = self._start(req, prompts, "prompt", 1 if echo_only else req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                          req.logprobs, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}, arrival,
-                          prompt_logprobs=prompt_lps)
+                          logprobs, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}, arrival,
+                          prompt_logprobs=prompt_lps, samples=best_of)
         for c in gen.choices:
             c.output_hidden = echo_only
         texts = self._prompt_texts(req, prompts) if req.echo else None
@@ -259,20 +265,32 @@ class OpenAIServing:
         if not await self._run_to_end(gen, http):
             return Response(status_code=499)
         choices = []
-        for c in gen.choices:
+        for c in self._best(gen.choices, req.n, best_of):
             text = "" if c.output_hidden else c.detok.text
             lps = [] if c.output_hidden else c.logprobs
             logprobs = None
             if req.logprobs is not None:
                 logprobs = (self._echo_logprobs(c, lps, texts[c.prompt_index]) if req.echo
                             else self._completion_logprobs(lps, 0))
-            choice = {"index": c.index, "text": (texts[c.prompt_index] if req.echo else "") + text,
+            index = c.index if best_of == req.n else len(choices)
+            choice = {"index": index, "text": (texts[c.prompt_index] if req.echo else "") + text,
                       "finish_reason": c.finish_reason, "logprobs": logprobs}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c, req.prompt_logprobs)
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(gen)})
+
+    @staticmethod
+    def _best(choices: list[Choice], n: int, best_of: int) -> list[Choice]:
+        """best_of > n: per prompt, the n samples with the highest cumulative logprob (OpenAI's rule)."""
+        if best_of == n:
+            return choices
+        best = []
+        for i in range(0, len(choices), best_of):
+            group = choices[i:i + best_of]
+            best += sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+        return best
 
     def _prompt_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What echo returns before the completion: the prompt as sent (text), or decoded (token ids)."""
@@ -467,7 +485,8 @@ class OpenAIServing:
 
     def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str,
                max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-               api_names: dict[str, str], arrival: float, prompt_logprobs: int | None = None) -> Generation:
+               api_names: dict[str, str], arrival: float, prompt_logprobs: int | None = None,
+               samples: int | None = None) -> Generation:
         """Validates everything, then sends one engine request per (prompt, sample)."""
         if self.drain.started:
             raise shutting_down()
@@ -487,8 +506,9 @@ class OpenAIServing:
                                   names["max_new_tokens"], "context_length_exceeded")
             else:
                 n_new = max_tokens
-            for j in range(req.n):
-                index = i * req.n + j
+            samples = samples or req.n
+            for j in range(samples):
+                index = i * samples + j
                 # n samples of one request must differ, and stay reproducible under one seed.
                 seed = None if req.seed is None else req.seed + index
                 params = dataclasses.replace(base, max_new_tokens=n_new, seed=seed)
@@ -507,9 +527,15 @@ class OpenAIServing:
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                          names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
         try:
             return SamplingParams(
-                max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_new_tokens=max_tokens, min_tokens=req.min_tokens, logit_bias=bias, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
