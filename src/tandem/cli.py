@@ -5,33 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
-import typing
 
 from tandem.bench.cli import add_bench_parser
-from tandem.engine.engine import EngineArgs
+from tandem.engine_flags import add_engine_args, engine_kwargs
 from tandem.train.cli import add_train_draft_parser
 from tandem.train.demo_cli import add_make_demo_pair_parser
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            group.add_argument(flag, action="store_true", default=f.default)
-            continue
-        base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-        group.add_argument(flag, type=base[0], default=f.default, metavar=f.name.upper())
-
-
-def engine_kwargs(ns: argparse.Namespace) -> dict:
-    return {name: getattr(ns, name) for name in EngineArgs.names()}
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def add_bench_parser(sub) -> None:
-    from tandem.cli import add_engine_args  # tandem.cli is loaded by now: it is what calls this
+    from tandem.engine_flags import add_engine_args
 
     p = sub.add_parser(
         "bench", help="offline latency/throughput over batch sizes, speculation on vs off",
@@ -56,7 +56,7 @@ def add_bench_parser(sub) -> None:
 def cmd_bench(ns: argparse.Namespace) -> int:
     from tandem.bench import report
     from tandem.bench.run import BenchConfig, run_bench
-    from tandem.cli import engine_kwargs
+    from tandem.engine_flags import engine_kwargs
 
     if ns.sweep:
         return _cmd_sweep(ns)
@@ -78,7 +78,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def _cmd_sweep(ns: argparse.Namespace) -> int:
     from tandem.bench import sweep
-    from tandem.cli import engine_kwargs
+    from tandem.engine_flags import engine_kwargs
 
     cfg = sweep.SweepConfig(
         engine_kwargs=engine_kwargs(ns),

@@ -1,0 +1,27 @@
+"""The engine's command-line flags, one per `EngineArgs` field (`--tp-size` -> `tp_size`), shared by every
+subcommand that builds an engine (generate, serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from tandem.engine.engine import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action="store_true", default=f.default)
+            continue
+        base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+        group.add_argument(flag, type=base[0], default=f.default, metavar=f.name.upper())
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    return {name: getattr(ns, name) for name in EngineArgs.names()}
