@@ -12,7 +12,20 @@ from tandem import Engine
 from tests.models.tiny_checkpoints import INIT_RANGE, checkpoint_dir
 
 __all__ = ["checkpoint_dir", "cpu_engine", "hf_greedy", "hf_logprobs", "make_tokenizer_checkpoint",
-           "copy_checkpoint", "edit_tensors", "edit_config", "instrument_preemptions"]
+           "copy_checkpoint", "edit_tensors", "edit_config", "instrument_preemptions", "eagle3_head_for", "CHAIN3"]
+
+
+def eagle3_head_for(tmp_path_factory, target: str, seed: int) -> str:
+    """A random EAGLE-3 head in the public format for the target checkpoint at `target`."""
+    from tests.speculative.draft_checkpoints import write_eagle3_head
+
+    path = str(tmp_path_factory.mktemp("eagle3"))
+    write_eagle3_head(path, json.load(open(os.path.join(target, "config.json"))), seed=seed)
+    return path
+
+
+CHAIN3 = dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=4)
 
 
 def cpu_engine(path: str, **kwargs) -> Engine:

@@ -2,15 +2,11 @@
 MinNewTokensLengthLogitsProcessor) in greedy generation, float32; and the same tokens with
 speculation on (the verify path applies them at every tree node)."""
 
-import json
-import os
-
 import pytest
 
 from tandem import SamplingParams
-from tests.engine.helpers import checkpoint_dir, cpu_engine, hf_greedy
+from tests.engine.helpers import CHAIN3, checkpoint_dir, cpu_engine, eagle3_head_for, hf_greedy
 from tests.models.tiny_checkpoints import prompts
-from tests.speculative.draft_checkpoints import write_eagle3_head
 
 PROMPTS = prompts(4, seed=21)
 N = 12
@@ -23,12 +19,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(ckpt, tmp_path_factory):
-    head = str(tmp_path_factory.mktemp("eagle3"))
-    write_eagle3_head(head, json.load(open(os.path.join(ckpt[0], "config.json"))), seed=3)
+    head = eagle3_head_for(tmp_path_factory, ckpt[0], seed=3)
     plain = cpu_engine(ckpt[0], max_total_tokens=4096)
-    spec = cpu_engine(ckpt[0], max_total_tokens=4096, speculative_algorithm="EAGLE3",
-                      speculative_draft_model_path=head, speculative_num_steps=3, speculative_eagle_topk=1,
-                      speculative_num_draft_tokens=4)
+    spec = cpu_engine(ckpt[0], max_total_tokens=4096, speculative_draft_model_path=head, **CHAIN3)
     yield {"plain": plain, "spec": spec}
     plain.shutdown()
     spec.shutdown()

@@ -2,16 +2,12 @@
 the same checkpoint, float32: in one prefill and in chunks, with speculation on (the draft never
 changes them), with overlap off, and when requests are preempted and recomputed (each position once)."""
 
-import json
-import os
-
 import pytest
 import torch
 
 from tandem import SamplingParams
-from tests.engine.helpers import checkpoint_dir, cpu_engine, instrument_preemptions
+from tests.engine.helpers import CHAIN3, checkpoint_dir, cpu_engine, eagle3_head_for, instrument_preemptions
 from tests.models.tiny_checkpoints import prompts
-from tests.speculative.draft_checkpoints import write_eagle3_head
 
 PROMPTS = prompts(6, seed=11)
 TOP = 3
@@ -24,9 +20,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def head(ckpt, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("eagle3"))
-    write_eagle3_head(path, json.load(open(os.path.join(ckpt[0], "config.json"))), seed=2)
-    return path
+    return eagle3_head_for(tmp_path_factory, ckpt[0], seed=2)
 
 
 def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
@@ -64,9 +58,8 @@ def test_prompt_logprobs_match_transformers(ckpt, extra):
 
 
 def test_prompt_logprobs_with_speculation(ckpt, head):
-    with cpu_engine(ckpt[0], max_total_tokens=4096, chunked_prefill_size=9, speculative_algorithm="EAGLE3",
-                    speculative_draft_model_path=head, speculative_num_steps=3, speculative_eagle_topk=1,
-                    speculative_num_draft_tokens=4) as engine:
+    with cpu_engine(ckpt[0], max_total_tokens=4096, chunked_prefill_size=9, speculative_draft_model_path=head,
+                    **CHAIN3) as engine:
         outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     check(outs, ckpt)
 
