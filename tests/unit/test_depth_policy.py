@@ -76,16 +76,17 @@ def test_untimed_shapes_are_tried_first_and_probes_keep_acceptance_known():
         seen.append(shape.depth)
         p.observe_time(8, shape, 1.0 + 10 * shape.depth)  # drafts are ruinous here
     assert seen == [3, 2, 1, 0]
-    # A probe (depth 1) costs 10 ms more than a 1 ms step: at most 1% of the time means one per 1000.
-    choices = [p.choose(["r"], 8).depth for _ in range(2000)]
-    assert set(choices[:999]) == {0} and choices[999] == 1 and choices.count(1) == 2
+    # A probe (the deepest, 31 ms) costs 30 ms more than a 1 ms step: at most 1% of the time means one
+    # per 3000 steps.
+    choices = [p.choose(["r"], 8).depth for _ in range(6000)]
+    assert set(choices[:2999]) == {0} and choices[2999] == 3 and choices.count(3) == 2
 
 
-def test_cheap_probes_run_every_probe_every_steps_one_level_deeper():
+def test_cheap_probes_run_every_probe_every_steps():
     p = policy_with_costs({1: [1.0, 1.001, 1.002, 1.003]}, probe_every=4)
     teach(p, [0.0, 0.0, 0.0])  # nothing is ever accepted: depth 0 wins
     choices = [p.choose(["r"], 1).depth for _ in range(8)]
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]  # the next deeper option, not the deepest
+    assert choices == [0, 0, 0, 3, 0, 0, 0, 3]
 
 
 def test_one_early_rejection_is_not_a_rate_of_zero():

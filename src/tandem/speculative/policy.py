@@ -54,9 +54,9 @@ class DepthPolicy:
                  hysteresis: float = 0.03):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
         request's own acceptance replaces the engine's; probe_every, probe_budget: while a shorter option
-        than the deepest is chosen, the next deeper option runs once every probe_every steps of a batch
-        size, or less often, so that probes cost at most probe_budget of the time (they keep the
-        acceptance of the positions the choice does not draft known); prior: the acceptance assumed
+        than the deepest is chosen, the deepest runs once every probe_every steps of a batch size, or
+        less often, so that probes cost at most probe_budget of the time (they keep the acceptance of
+        the positions the choice does not draft known); prior: the acceptance assumed
         before any observation, worth prior_weight observations (one early rejection must not look like
         a rate of 0); hysteresis: how much better (relative) another option must look before the choice
         for a batch size moves (measured costs are noisy)."""
@@ -143,8 +143,8 @@ class DepthPolicy:
 
     def choose(self, request_ids, padded_batch: int) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
-        timed at this size is chosen first (it gets timed); a probe of the next deeper option now and
-        then keeps the acceptance beyond the chosen depth known while shorter options win."""
+        timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
+        keeps the acceptance beyond the chosen depth known while shorter options win."""
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
@@ -160,10 +160,10 @@ class DepthPolicy:
                         padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
             self._last_choice[padded_batch] = best
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
-        if best != self.deepest:
-            probe = self.options[self.options.index(best) + 1]
-            if steps >= self._probe_interval(padded_batch, best, probe):
-                best, steps = probe, 0
+        if best != self.deepest and steps >= self._probe_interval(padded_batch, best, self.deepest):
+            # The deepest option observes every position at once: one probe can show that a deep
+            # draft pays even when the first position alone would not justify a chain of one.
+            best, steps = self.deepest, 0
         self._steps_since_probe[padded_batch] = steps
         return best
 
