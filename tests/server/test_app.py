@@ -242,3 +242,26 @@ def test_tokenize_detokenize_version_and_schema():
         assert completion["properties"]["n"]["maximum"] == 128  # value ranges included
         assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
         assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_responses_match_the_schema_models():
+    """The response models the OpenAPI schema names are what the endpoints really return."""
+    from tandem.server import protocol as p
+
+    with chat_app_client() as http:
+        checks = [
+            (http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}), p.CompletionResponse),
+            (http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "h"}], "max_tokens": 2}),
+             p.ChatCompletionResponse),
+            (http.get("/v1/models"), p.ModelList), (http.get("/v1/models/echo"), p.ModelCard),
+            (http.post("/tokenize", json={"prompt": "x"}), p.TokenizeResponse),
+            (http.post("/detokenize", json={"tokens": [65]}), p.DetokenizeResponse),
+            (http.get("/version"), p.VersionResponse),
+            (http.post("/v1/completions", json={"prompt": 5}), p.ErrorResponse),
+        ]
+        for r, model in checks:
+            model.model_validate(r.json(), strict=False)
+        schema = http.get("/openapi.json").json()
+        ok = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"].endswith("/ChatCompletionResponse")
+        assert "ErrorResponse" in schema["components"]["schemas"]

@@ -449,6 +449,13 @@ def test_echo_logprobs_as_evaluation_harnesses_read_them(server, chat_ckpt, ref_
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
     r = http.post(C, json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 0})
     check_error(r, 400, "max_tokens")  # 0 only with echo
+    # The schema's response models hold for these richer answers too (logprobs, echo, prompt_logprobs).
+    from tandem.server.protocol import ChatCompletionResponse, CompletionResponse
+
+    CompletionResponse.model_validate(http.post(C, json={"prompt": ids, "max_tokens": 2, "logprobs": 2, "echo": True,
+                                                         "prompt_logprobs": 1}).json())
+    ChatCompletionResponse.model_validate(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json())
 
 
 def test_logit_bias_min_tokens_and_best_of(server, ref_engine):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
+from tandem.server import protocol
 from tandem.server.drain import Drain, shutting_down
 from tandem.server.errors import OpenAIError, bad_request, from_validation_error
 from tandem.server.json_body import parse_body
@@ -179,6 +180,12 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
 # them here, from the same pydantic models that validate them.
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+# And what they answer (non-streamed; a stream is text/event-stream of chunks in the same shapes).
+RESPONSE_BODIES = {("/v1/completions", "post"): protocol.CompletionResponse,
+                   ("/v1/chat/completions", "post"): protocol.ChatCompletionResponse,
+                   ("/tokenize", "post"): protocol.TokenizeResponse, ("/detokenize", "post"): protocol.DetokenizeResponse,
+                   ("/v1/models", "get"): protocol.ModelList, ("/v1/models/{model}", "get"): protocol.ModelCard,
+                   ("/version", "get"): protocol.VersionResponse}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -188,14 +195,23 @@ def _openapi(app: FastAPI) -> dict:
 
     schema = get_openapi(title=app.title, version=tandem.__version__, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in REQUEST_BODIES.items():
+
+    def ref(model) -> dict:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
-        op = schema["paths"][path]["post"]
-        op["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-        op["responses"]["400"] = {"description": "a bad request: the error names the field"}
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"description": "an error in OpenAI's shape, naming the field", "content": {
+        "application/json": {"schema": ref(protocol.ErrorResponse)}}}
+    for (path, method), model in RESPONSE_BODIES.items():
+        op = schema["paths"].get(path, {}).get(method)
+        if op is not None:
+            op["responses"] = {"200": {"description": "OK", "content": {"application/json": {"schema": ref(model)}}},
+                               "400": error, "401": error, "404": error, "503": error}
+    for path, model in REQUEST_BODIES.items():
+        schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                        "content": {"application/json": {"schema": ref(model)}}}
     metrics = schema["paths"].get("/metrics", {}).get("get")
     if metrics is not None:
         metrics["responses"] = {"200": {"description": "Prometheus text format",

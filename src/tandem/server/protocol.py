@@ -148,3 +148,109 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[Int64]
+
+
+# ---- response bodies: what the endpoints return (the OpenAPI schema names them; tests check real
+# responses against them) ---------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    mean_accept_length: float | None = None  # speculative servers only
+    spec_verify_steps: int | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict] = []
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: ChatChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
