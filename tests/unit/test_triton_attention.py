@@ -240,6 +240,8 @@ def test_engine_greedy_equals_torch_backend(tiny_llama):
 
 
 def test_speculative_engine_greedy_equals_torch_backend(tiny_llama, tmp_path):
+    from tests.speculative.test_adaptive import CyclingPolicy
+
     """Tree drafting and verification through speculative/plan.py's device-built metadata."""
     import json
 
@@ -257,6 +259,8 @@ def test_speculative_engine_greedy_equals_torch_backend(tiny_llama, tmp_path):
                     max_total_tokens=1024, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=5) as engine:
             assert type(engine.runner.spec.drafter.backend).__name__.lower().startswith(backend)
+            # Every draft shape in turn, depth 0 (the root alone, on plain decoding's metadata) included.
+            engine.runner.spec.policy = CyclingPolicy(engine.runner.spec.policy)
             outputs[backend] = [o.token_ids for o in engine.generate(input_ids=ids, sampling_params=params)]
-            assert engine.runner.spec.stats.num_drafts > 0
+            assert engine.runner.spec.stats.num_drafts > 0 and engine.runner.spec.stats.steps_by_depth[0] > 0
     assert outputs["triton"] == outputs["torch"]

@@ -50,6 +50,25 @@ def verify_metadata(plan: VerifyPlan, ancestors: torch.Tensor) -> TorchAttention
                                   kv_lens=kv_lens)
 
 
+def root_only_metadata(plan: VerifyPlan, derives_causal_mask: bool) -> TorchAttentionMetadata:
+    """A verify of the root alone (adaptive depth 0) is a plain decode step: the same metadata as
+    runtime/decode_plan.py builds (each row sees positions [0, seq_len]; backends that derive the
+    causal rule get no mask), so the step runs plain decoding's attention kernel."""
+    b, width = plan.kv_slots.shape
+    kv_pos = torch.arange(width, device=plan.kv_slots.device)
+    mask = None if derives_causal_mask else (kv_pos[None, :] <= plan.seq_lens[:, None])[:, None, None, :]
+    return TorchAttentionMetadata(
+        slot_mapping=plan.node_slots[:, 0].contiguous(),
+        query_index=torch.arange(b, device=kv_pos.device)[:, None],
+        query_valid=None,
+        kv_slots=plan.kv_slots,
+        mask=mask,
+        q_lens=torch.ones(b, dtype=torch.int32, device=kv_pos.device),
+        kv_lens=(plan.seq_lens + 1).to(torch.int32),
+        causal=derives_causal_mask,
+    )
+
+
 def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_size: int) -> TorchAttentionMetadata:
     """Causal rows of `num_queries` tokens starting at draft position `first_pos` [B]; padded
     queries past a row's real count compute (and store) values nobody reads."""
