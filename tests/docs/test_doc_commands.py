@@ -43,7 +43,8 @@ def test_block_runs(where, lang, code, tmp_path):
         if "./scripts/" in code and not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")):
             pytest.skip("the scripts create .venv/ (the README's set-up); this checkout runs without one")
         bin_dir = os.path.dirname(sys.executable)
-        script = code.replace(".venv/bin/", bin_dir + "/").replace("/tmp/", f"{tmp_path}/")
+        # Output files into this test's directory first (the checkout itself may live under /tmp/).
+        script = code.replace(" /tmp/", f" {tmp_path}/").replace(".venv/bin/", bin_dir + "/")
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
     assert proc.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
