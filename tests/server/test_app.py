@@ -265,3 +265,47 @@ def test_responses_match_the_schema_models():
         ok = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]
         assert ok["schema"]["$ref"].endswith("/ChatCompletionResponse")
         assert "ErrorResponse" in schema["components"]["schemas"]
+
+
+class ExplodingTokenizer:
+    """Fails on one prompt the way a library bug would (not a validation error)."""
+
+    def __init__(self):
+        self._tok = byte_level_tokenizer()
+
+    def encode(self, text, *a, **kw):
+        if text == "boom":
+            raise TypeError("tokenizer exploded")
+        return self._tok.encode(text, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_stays_usable():
+    """Over a real socket (uvicorn): the keep-alive connection that got the 500 serves the next request."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    app = build_app(ReplicaSet([EchoEngineClient()]), ExplodingTokenizer(), "echo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert any(time.sleep(0.1) or server.started for _ in range(100)), "uvicorn did not start"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            r = http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert r.headers.get("connection") != "close"
+            r = http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})  # same connection
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fi"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -13,6 +13,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
@@ -59,6 +60,7 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
     # With an API key, the schema and docs pages are served by the key-checked router below.
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tandem", lifespan=lifespan, **docs)
+    app.router.route_class = CatchAllRoute
 
     def key_ok(request: Request) -> bool:
         if api_key is None:
@@ -101,7 +103,7 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         return {"status": "ok", "model": model_name, "engine_pid": pids[0], "engine_pids": pids,
                 "queued_requests": replicas.num_queued}
 
-    api = APIRouter(dependencies=[Depends(check_api_key)])
+    api = APIRouter(dependencies=[Depends(check_api_key)], route_class=CatchAllRoute)
 
     @api.get("/metrics")
     async def metrics():
@@ -168,12 +170,32 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(OpenAIError(500, f"internal server error: {type(e).__name__}").body(), status_code=500)
-
     return app
+
+
+class CatchAllRoute(APIRoute):
+    """The last resort: an exception no handler expected becomes a 500 in the OpenAI shape here, inside
+    the route. (An `exception_handler(Exception)` answers too, but Starlette re-raises the exception
+    after it, and uvicorn then drops the keep-alive connection, so the client's next request on it
+    fails as well.)"""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request):
+            try:
+                return await handler(request)
+            except (OpenAIError, StarletteHTTPException, RequestValidationError):
+                raise  # answered by their exception handlers
+            except Exception as e:  # noqa: BLE001
+                logger.exception("unhandled error on %s", request.url.path)
+                return JSONResponse(internal_error(e).body(), status_code=500)
+
+        return guarded
+
+
+def internal_error(e: Exception) -> OpenAIError:
+    return OpenAIError(500, f"internal server error: {type(e).__name__}")
 
 
 # Request bodies are read by hand (read_body), so FastAPI cannot see their models: the schema names

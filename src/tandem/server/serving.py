@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import json
 import math
 import time
@@ -30,6 +31,8 @@ from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                     TokenizeRequest)
 from tandem.server.replicas import ReplicaSet
+
+logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -384,6 +387,9 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         except OpenAIError as e:
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event, not a cut)
+            logger.exception("unhandled error in a stream")
+            yield sse(OpenAIError(500, f"internal server error: {type(e).__name__}").body())
         finally:
             gen.close()
 
@@ -451,6 +457,9 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         except OpenAIError as e:
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 (the stream has started: end it with an error event, not a cut)
+            logger.exception("unhandled error in a stream")
+            yield sse(OpenAIError(500, f"internal server error: {type(e).__name__}").body())
         finally:
             gen.close()
 
