@@ -16,6 +16,7 @@ from tandem import Engine, SamplingParams
 from tandem.layers.attention.base import AttentionBatch
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.models.llama import StepContext
+from tests.engine.helpers import instrument_preemptions
 from tests.models.tiny_checkpoints import prompts
 from tests.speculative.conftest import ENGINE, TREE
 from tests.speculative.draft_checkpoints import write_mtp_head
@@ -323,15 +324,7 @@ def test_preemption_recomputes_module_state(spec_models, mtp_head, reference):
     """A KV pool too small for all requests forces retraction mid-speculation; the recomputed
     prefill rebuilds every module's lagging state and the output is unchanged."""
     with mtp_engine(spec_models["target"], mtp_head, max_total_tokens=140) as engine:
-        preempted = []
-        schedule = engine.scheduler.schedule
-
-        def spy():
-            out = schedule()
-            preempted.extend(out.preempted_ids)
-            return out
-
-        engine.scheduler.schedule = spy
+        preempted = instrument_preemptions(engine)
         outs = engine.generate(input_ids=PROMPTS[:10], sampling_params=greedy())
         assert preempted, "the pool was meant to force preemption"
         assert [o.token_ids for o in outs] == reference[:10]

@@ -3,6 +3,7 @@
 import pytest
 
 from tandem import Engine, SamplingParams
+from tests.engine.helpers import instrument_preemptions
 from tests.models.tiny_checkpoints import prompts
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 
@@ -47,15 +48,7 @@ def test_preemption_with_speculation(spec_models, plain, shape):
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     reference = [o.token_ids for o in plain.generate(input_ids=ids, sampling_params=params)]
     with _engine(spec_models, "EAGLE3", "EAGLE3", shape, max_total_tokens=140) as engine:
-        preempted = []
-        schedule = engine.scheduler.schedule
-
-        def spy():
-            out = schedule()
-            preempted.extend(out.preempted_ids)
-            return out
-
-        engine.scheduler.schedule = spy
+        preempted = instrument_preemptions(engine)
         outs = engine.generate(input_ids=ids, sampling_params=params)
         assert preempted, "the pool was meant to force preemption"
         assert [o.token_ids for o in outs] == reference

@@ -105,17 +105,24 @@ def force_path(tree: DraftTree, argmax: torch.Tensor, b: int, node: int):
         node = parent
 
 
+def random_case(py: random.Random, gen: torch.Generator):
+    """A random batch of trees and a target argmax per node that, for about half the rows, follows one
+    path of the tree (so long accepts happen): (tree, argmax [B, N], vocab)."""
+    batch, num_nodes, vocab = py.randint(1, 6), py.randint(1, 16), py.choice([2, 3, 5])
+    tree = random_tree(batch, num_nodes, vocab, py)
+    argmax = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
+    for b in range(batch):
+        if py.random() < 0.5:
+            force_path(tree, argmax, b, py.randrange(num_nodes))
+    return tree, argmax, vocab
+
+
 def test_greedy_matches_reference_on_random_trees():
     py = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     lens = set()
     for _ in range(200):
-        batch, num_nodes, vocab = py.randint(1, 6), py.randint(1, 16), py.choice([2, 3, 5])
-        tree = random_tree(batch, num_nodes, vocab, py)
-        argmax = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
-        for b in range(batch):
-            if py.random() < 0.5:
-                force_path(tree, argmax, b, py.randrange(num_nodes))
+        tree, argmax, _ = random_case(py, gen)
         result = check_greedy(tree, argmax)
         lens.update((result.accept_lens - 1 == tree.depths.max(dim=1).values).tolist())
     assert lens == {True, False}  # both full-depth acceptance and early stops happened
@@ -194,12 +201,7 @@ def test_one_hot_target_equals_greedy():
     py = random.Random(3)
     gen = torch.Generator().manual_seed(3)
     for _ in range(100):
-        batch, num_nodes, vocab = py.randint(1, 6), py.randint(1, 16), py.choice([2, 3, 5])
-        tree = random_tree(batch, num_nodes, vocab, py)
-        argmax = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
-        for b in range(batch):
-            if py.random() < 0.5:
-                force_path(tree, argmax, b, py.randrange(num_nodes))
+        tree, argmax, vocab = random_case(py, gen)
         probs = torch.nn.functional.one_hot(argmax, vocab).float()  # [B, N, V]
         sampled = position_keyed_sample(tree, probs)
         greedy = accept_target_tokens(tree, argmax)

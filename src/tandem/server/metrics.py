@@ -123,13 +123,16 @@ class _EngineCollector:
         ):
             yield counter(f"tandem:spec_decode_{name}", doc,
                           lambda r, s, field=field: getattr(s.spec, field) if s.spec else 0)
-        per_pos = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by draft position (0 = first)",
-                                      labels=["replica", "position"])
-        for label, s in stats:
-            for pos, count in enumerate(s.spec.accepted_per_position if s.spec else []):
-                per_pos.add_metric([label, str(pos)], count)
-        yield per_pos
+        def per_position(family, name, doc, values):
+            metric = family(name, doc, labels=["replica", "position"])
+            for label, s in stats:
+                for pos, value in enumerate(values(s.spec) if s.spec else []):
+                    metric.add_metric([label, str(pos)], value)
+            return metric
+
+        yield per_position(CounterMetricFamily, "tandem:spec_decode_num_accepted_tokens_per_pos",
+                           "Draft tokens accepted, by draft position (0 = first)",
+                           lambda spec: spec.accepted_per_position)
         yield gauge("tandem:spec_decode_mean_accept_length",
                     "Mean tokens per verify step (accepted drafts + 1) since the replica started",
                     lambda r, s: s.spec.mean_accept_length if s.spec else 0.0)
@@ -141,11 +144,7 @@ class _EngineCollector:
             buckets = [(str(d), float(sum(counts[:d + 1]))) for d in range(len(counts))] + [("+Inf", float(sum(counts)))]
             depth.add_metric([label], buckets, float(sum(d * c for d, c in enumerate(counts))))
         yield depth
-        estimated = GaugeMetricFamily("tandem:spec_decode_estimated_acceptance",
-                                      "The adaptive policy's acceptance rate of each draft position given the one "
-                                      "before it (0 = first), a moving average over recent verify steps",
-                                      labels=["replica", "position"])
-        for label, s in stats:
-            for pos, rate in enumerate(s.spec.estimated_acceptance if s.spec else []):
-                estimated.add_metric([label, str(pos)], rate)
-        yield estimated
+        yield per_position(GaugeMetricFamily, "tandem:spec_decode_estimated_acceptance",
+                           "The adaptive policy's acceptance rate of each draft position given the one "
+                           "before it (0 = first), a moving average over recent verify steps",
+                           lambda spec: spec.estimated_acceptance)
