@@ -6,6 +6,7 @@ Nothing here imports torch: the scheduler works on these objects alone.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ class SamplingParams:
     # first has none): None: not computed; 0: the prompt token's own; n>0: also the top-n there.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output (at most one): the output must match a JSON schema (a dict or its JSON text;
+    # {"type": "object"} for any object), a regular expression, or an EBNF grammar (xgrammar's dialect).
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,10 +103,30 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "must be None or an integer in [0, 20]")
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams: give at most one of json_schema, regex, grammar (got {given})")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    bad("json_schema", f"is not valid JSON ({e})")
+            if not isinstance(schema, (dict, bool)):
+                bad("json_schema", "must be a JSON object (a schema)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or not getattr(self, name)):
+                bad(name, "must be a non-empty string")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar restricts the tokens (structured output)."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def needs_penalties(self) -> bool:

@@ -14,6 +14,7 @@ from tandem.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerC
 from tandem.models.hf_config import load_model_config
 from tandem.request import FinishReason, Request, RequestDelta, RequestOutput, SamplingParams, StepOutput, TokenLogprob
 from tandem.scheduler import Scheduler
+from tandem.structured.grammar import spec_of
 from tandem.tokenizer import StopStringDetokenizer, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Engine:
         # the first stays); handed out with the request's first delta.
         self._prompt_logprobs: dict[str, dict[int, TokenLogprob]] = {}
         self._prompt_logprobs_sent: set[str] = set()
+        self._grammar_compiler = None  # structured/grammar.GrammarCompiler, made for the first constrained request
 
     # ---- public API -------------------------------------------------------------------------
     def generate(
@@ -193,6 +195,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         self.validate_prompt(prompt_token_ids)
         params.validate()
+        if params.constrained:
+            self._compile_grammar(params)
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params, self.eos_token_ids))
         self._detok[rid] = StopStringDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
@@ -200,6 +204,18 @@ class Engine:
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[rid] = {}
         return rid
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles (or finds cached) the request's grammar, so a bad one is refused at submission
+        (GrammarError, a ValueError naming the field), and turns structured output on in the runner."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured output needs a tokenizer; model {self.args.model_path!r} has none")
+            from tandem.structured.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self._grammar_compiler.compile(spec_of(params))
+        self.runner.attach_grammar(self._grammar_compiler)
 
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)

@@ -3,6 +3,7 @@
 The pipeline, per row (`logits_to_probs` writes it out as a distribution):
 
     raw logits
+      -> grammar mask   tokens a row's grammar forbids at -inf (structured output; the mask comes from the host)
       -> penalties      repetition (HF, over prompt + output), frequency / presence (OpenAI, output only)
       -> / temperature
       -> softmax
@@ -51,6 +52,7 @@ class SamplingFeatures:
     top_k: bool = False  # some sampled row uses top-k (the one filter that needs a sort)
     penalties: bool = False  # some row uses a repetition, frequency or presence penalty
     logprobs: int | None = None  # most top logprobs any row asked for; None: no row asked
+    constrained: bool = False  # some row's tokens are restricted by a grammar (a mask from the host)
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingFeatures:
@@ -61,6 +63,7 @@ class SamplingFeatures:
             top_k=any(p.top_k > 0 for p in sampled),
             penalties=any(p.needs_penalties for p in params),
             logprobs=max(asked) if asked else None,
+            constrained=any(p.constrained for p in params),
         )
 
     @property
@@ -69,6 +72,8 @@ class SamplingFeatures:
         parts += ["top_k"] * self.top_k + ["penalties"] * self.penalties
         if self.logprobs is not None:
             parts.append(f"logprobs{self.logprobs}")
+        if self.constrained:
+            parts.append("grammar")
         return "+".join(parts)
 
 
@@ -101,6 +106,7 @@ class SamplingMetadata:
     suppress: torch.Tensor | None = None  # [R, V] bool: not drawable while the row has < min_tokens outputs
     min_tokens: torch.Tensor | None = None  # [R] int64
     num_prompt: torch.Tensor | None = None  # [R] int64: position - num_prompt = index among the outputs
+    allowed: torch.Tensor | None = None  # [R, V] bool: the tokens a grammar allows (None: every token)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int], device="cpu",
@@ -131,7 +137,14 @@ class SamplingMetadata:
 
 
 # ---------------------------------------------------------------------------
-# Penalties
+# Grammar mask and penalties
+
+
+def apply_grammar(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Tokens the row's grammar forbids get -inf (first, so every later stage sees the masked row)."""
+    if meta.allowed is None:
+        return logits
+    return logits.masked_fill(~meta.allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -221,7 +234,7 @@ def logits_to_probs(logits: torch.Tensor, meta: SamplingMetadata, features: Samp
     """The distribution each row samples from: [R, V] float32, rows summing to 1 (the definition that
     tests and `choose_tokens` agree on)."""
     features = features or SamplingFeatures(sampled=True, top_k=True, penalties=meta.output_counts is not None)
-    logits = logits.float()
+    logits = apply_grammar(logits.float(), meta)
     penalized = apply_penalties(logits, meta) if features.penalties else logits
     scaled = scaled_logits(penalized, meta)
     threshold = filter_threshold(scaled, meta)
@@ -237,7 +250,7 @@ def logits_to_probs(logits: torch.Tensor, meta: SamplingMetadata, features: Samp
 def choose_tokens(logits: torch.Tensor, meta: SamplingMetadata, features: SamplingFeatures) -> torch.Tensor:
     """One token per row: [R] int64. logits: [R, V], raw from the model. No host sync, no host values:
     safe inside a CUDA graph."""
-    logits = logits.float()
+    logits = apply_grammar(logits.float(), meta)
     penalized = apply_penalties(logits, meta) if features.penalties else logits
     if not features.sampled:
         return penalized.argmax(dim=-1)

@@ -36,6 +36,7 @@ from tandem.speculative.policy import DepthPolicy
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.worker import SpecWorker
 from tandem.scheduler.outputs import SchedulerOutput
+from tandem.structured.matchers import GrammarRows, allowed_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class ModelRunner:
         self.plain_state = None if self.spec is not None else PlainStatePool(num_state_rows, self.device)
         self.next_pos: dict[str, int] = {}
         logger.info("KV cache: %d pages of %d tokens", self.num_pages, self.page_size)
+        # Structured output: the constrained requests' grammar matchers (attach_grammar; None until the
+        # first constrained request), and the last launched step, whose tokens they must see first.
+        self.grammar: GrammarRows | None = None
+        self._last_handle = None
         self.decode_graphs: dict[SamplingFeatures, GraphedFunction] = {}
         self._staging_in_use: torch.cuda.Event | None = None  # the decode graph's last staging upload
         if config.cuda_graph_max_bs and (self.device.type == "cuda" or envs.cuda_graph_emulate()):
@@ -161,7 +166,8 @@ class ModelRunner:
                 and all(c.sample and (c.is_future or len(c.token_ids) == 1 and c.start_pos > 0)
                         for c in sched.chunks))
 
-    def _decode_graphed(self, sched: SchedulerOutput, positions: list[int], features: SamplingFeatures):
+    def _decode_graphed(self, sched: SchedulerOutput, positions: list[int], features: SamplingFeatures,
+                        allowed: torch.Tensor | None = None):
         """Tokens [B] and logits [B, V] of a batch of one-token rows from a captured graph, and the rows'
         state slots [B] (on the device). Features without a graph of their own sample eagerly from
         the greedy graph's logits."""
@@ -189,6 +195,7 @@ class ModelRunner:
             return tokens, logits, slots
         _, logits = self.decode_graphs[GREEDY](rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
         meta = self.sampling.metadata(slots, rows[:, 1] + 1, features.penalties)
+        meta.allowed = allowed
         return choose_tokens(logits, meta, features), logits, slots
 
     def _draft_feature_size(self, draft) -> int | None:
@@ -307,20 +314,57 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.drop_requests(sched.preempted_ids)
             self.spec.drop_requests(sched.finished_ids)
-            if not sched.chunks:
-                return None
-            return self.spec.launch(sched, draft_shape)
+        if self.grammar is not None:
+            self._admit_grammars(sched)
         if not sched.chunks:
             return None
-        return self._launch_plain(sched)
+        handle = self.spec.launch(sched, draft_shape) if self.spec is not None else self._launch_plain(sched)
+        self._last_handle = handle
+        return handle
+
+    def attach_grammar(self, compiler) -> None:
+        """Structured output on (the engine calls it when the first constrained request arrives)."""
+        if self.grammar is None:
+            self.grammar = GrammarRows(compiler)
+            if self.spec is not None:
+                self.spec.grammar = self.grammar
+
+    def _admit_grammars(self, sched: SchedulerOutput) -> None:
+        """Matchers for this step's constrained requests, up to date before their masks are computed.
+        Their state needs the tokens of the step in flight (overlap launched it before the host read
+        it): a step with constrained rows first collects that step, so it waits for the device where
+        an unconstrained step would not."""
+        grammar = self.grammar
+        grammar.drop(sched.preempted_ids)
+        grammar.drop(sched.finished_ids)
+        for c in sched.chunks:
+            if not c.is_future:
+                grammar.admit_chunk(c, sched.iteration)
+        if any(c.request_id in grammar for c in sched.chunks):
+            last = self._last_handle
+            if last is not None and last.result is None:
+                self.collect(last)
 
     def collect(self, handle) -> StepResult:
-        """Waits for a launched step's results."""
+        """Waits for a launched step's results (once: a constrained step may have collected it early)."""
+        if handle.result is not None:
+            return handle.result
         if isinstance(handle, PlainStepHandle):
-            return self._collect_plain(handle)
-        result = StepResult()
-        self.spec.collect(handle, result)
+            result = self._collect_plain(handle)
+        else:
+            result = StepResult()
+            self.spec.collect(handle, result)
+        if self.grammar is not None:
+            self.grammar.advance(handle.iteration, result.sampled)
+        handle.result = result
         return result
+
+    def grammar_masks(self, request_ids) -> torch.Tensor | None:
+        """[B, V] bool on the device: each request's allowed next tokens (None: none is constrained)."""
+        if self.grammar is None or not any(r in self.grammar for r in request_ids):
+            return None
+        bitmask = self.grammar.root_masks(request_ids)
+        return allowed_on_device(bitmask, self.device, self.arch.vocab_size)
 
     @torch.inference_mode()
     def _launch_plain(self, sched: SchedulerOutput) -> PlainStepHandle:
@@ -338,7 +382,8 @@ class ModelRunner:
                 self._advance(chunk, start)
                 positions.append(start)
             handle.request_ids = [c.request_id for c in sched.chunks]
-            token_ids, logits, slots = self._decode_graphed(sched, positions, features)
+            token_ids, logits, slots = self._decode_graphed(sched, positions, features,
+                                                            self.grammar_masks(handle.request_ids))
         else:
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
@@ -352,6 +397,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._upload(batch.sample_index, handle)])
             slots = self._upload([self.plain_state.slot(r) for r in handle.request_ids], handle)
             meta = self.sampling.metadata(slots, self._upload(batch.sample_positions, handle), features.penalties)
+            meta.allowed = self.grammar_masks(handle.request_ids)
             token_ids = choose_tokens(logits, meta, features)
         # Tensor parallelism: every rank takes rank 0's tokens (they feed the next step on the device).
         token_ids = self.tp.broadcast_(token_ids.contiguous())

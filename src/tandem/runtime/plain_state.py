@@ -29,3 +29,4 @@ class PlainStepHandle:
     ready: torch.cuda.Event | None = None  # None on a CPU (the copies were synchronous)
     keep_alive: list = field(default_factory=list)  # device tensors the copies read
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of this step
+    result: object | None = None  # its StepResult once collected

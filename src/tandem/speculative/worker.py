@@ -45,6 +45,7 @@ from tandem.speculative.phases import SpecPhases
 from tandem.speculative.policy import DepthPolicy, DraftShape
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import AcceptResult, accept_target_tokens
+from tandem.structured.matchers import allowed_on_device
 
 
 @dataclass
@@ -96,6 +97,7 @@ class SpecStepHandle:
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
+    result: object | None = None  # its StepResult once collected (runtime/model_runner.py)
     keep_alive: list = field(default_factory=list)
 
 
@@ -118,6 +120,7 @@ class SpecWorker:
         # this worker chose, so deciding on a catch-up needs no device value.
         self.lag: dict[str, int] = {}
         self.catch_up_ms: dict[int, float] = {}  # padded batch -> catch-up graph time (start-up timing)
+        self.grammar = None  # structured/matchers.GrammarRows once a constrained request arrived (the runner's)
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -230,12 +233,14 @@ class SpecWorker:
             self.phases.catch_up(slots, page_rows, kv_bound)
             if runner.device.type != "cuda":
                 handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
+        s.write(f"draft_tree[{it}]", "main")
         tree = self.phases.draft_tree(slots, page_rows, kv_bound, shape)
+        allowed = self._tree_grammar_masks(handle, tree) if features.constrained else None
         s.wait("main", verify_plan_ready)
         s.read(f"verify_plan[{it}]", "main")
         logits, hidden, aux = self.phases.verify(tree, vplan)  # [B, N, V], [B*N, H], [B*N, H] each
         s.write("seq_lens", "main")
-        accept = self._accept_and_commit(slots, vplan, tree, logits, features, self._synthetic_coins(tree))
+        accept = self._accept_and_commit(slots, vplan, tree, logits, features, self._synthetic_coins(tree), allowed)
         handle.max_depth = tree.max_depth
         outputs["accept_lens"] = accept.accept_lens
         outputs["out_tokens"] = accept.out_tokens
@@ -266,15 +271,17 @@ class SpecWorker:
 
     # ---- the iteration body: acceptance and its state updates, shared by the eager and graphed paths ----
     def _accept_and_commit(self, slots, vplan: plan.VerifyPlan, tree: DraftTree, logits, features: SamplingFeatures,
-                           coins) -> AcceptResult:
+                           coins, allowed=None) -> AcceptResult:
         """The target's own token at every tree node (greedy or sampled with position-keyed noise), the
-        accepted path, and the commit: compacted KV, new lengths, the next root, penalty counts."""
+        accepted path, and the commit: compacted KV, new lengths, the next root, penalty counts.
+        allowed: [B * N, V] bool, each node's grammar mask (structured output), or None."""
         pool = self.pool
         b, n, vocab = logits.shape
         positions = predicted_positions(vplan.seq_lens, tree.depths)  # [B, N]: keys each node's noise
         path_counts = _path_token_counts(tree, vocab).view(b * n, vocab) if features.penalties else None
         node_rows = slots[:, None].expand(b, n).reshape(-1)
         meta = self.sampling.metadata(node_rows, positions.reshape(-1), features.penalties, path_counts)
+        meta.allowed = allowed
         target_tokens = choose_tokens(logits.view(b * n, vocab), meta, features).view(b, n)
         use_coins = None if coins is None else coins[1]
         accept = self._same_on_every_rank(accept_target_tokens(tree, target_tokens, None if coins is None else coins[0],
@@ -284,6 +291,19 @@ class SpecWorker:
         pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
         self.sampling.add_outputs(slots, accept.out_tokens)
         return accept
+
+    def _tree_grammar_masks(self, handle: SpecStepHandle, tree: DraftTree):
+        """[B * N, V] bool on the device: the grammar mask at every node of the drafted tree, from each
+        node's own path (structured/matchers.py). The host needs the tree: the one place a constrained
+        step waits for the device mid-iteration (after the draft, before verify)."""
+        grammar = self.grammar
+        if grammar is None or not any(rid in grammar for rid in handle.verify_ids):
+            return None  # (tensor parallelism: only rank 0 keeps matchers; every rank takes its tokens)
+        s = self.streams
+        s.host_wait(s.record("main", "draft_tree"))
+        s.read(f"draft_tree[{handle.iteration}]", "host")
+        bitmask = grammar.tree_masks(handle.verify_ids, tree.tokens.cpu(), tree.parents.cpu())
+        return allowed_on_device(bitmask, self.runner.device, self.runner.arch.vocab_size)
 
     def _accepted_features(self, hidden, aux, accept: AcceptResult):
         """[B, Q, F]: the root's and accepted drafts' target features, which pair with the next tokens
@@ -452,7 +472,9 @@ class SpecWorker:
             features = SamplingFeatures.of([c.sampling_params for c in sampling])
             logits = runner.model.compute_logits(hidden[idx])
             # The sampled token's position is the chunk's end: the same noise plain decoding would use.
-            tokens = choose_tokens(logits, self.sampling.metadata(slots, end_pos, features.penalties), features)
+            meta = self.sampling.metadata(slots, end_pos, features.penalties)
+            meta.allowed = self.runner.grammar_masks([c.request_id for c in sampling])
+            tokens = choose_tokens(logits, meta, features)
             sampled = runner.tp.broadcast_(tokens.contiguous())  # see _same_on_every_rank
             s.write("seq_lens", "main")
             pool.verified_id[slots] = sampled
