@@ -12,6 +12,7 @@ forever and never close the document.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class GrammarCompiler:
             return hit
         try:
             if spec.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=False)
+                compiled = self._compiler.compile_grammar(json_schema_ebnf(self._xgr, spec.source))
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.source)
             elif spec.kind == "grammar":
@@ -90,6 +91,21 @@ class GrammarCompiler:
 
     def matcher(self, spec: GrammarSpec):
         return self._xgr.GrammarMatcher(self.compile(spec))
+
+
+# Two gaps in xgrammar's (0.2.9) JSON strings: the characters of a string with maxLength / minLength are
+# [^"\\\r\n], which lets control characters through (JSON forbids them unescaped), and no string class
+# excludes the UTF-16 surrogates U+D800-U+DFFF, whose 3-byte encodings are not valid UTF-8 (byte-level
+# tokenizers can emit them). Every string character class gets both exclusions here.
+_STRING_CLASS = re.compile(r'\[\^(?:\\0-\\x1f)?\\"\\\\\\r\\n')
+_VALID_STRING_CLASS = r'[^\0-\x1f\uD800-\uDFFF\"\\\r\n'
+
+
+def json_schema_ebnf(xgrammar, schema_text: str) -> str:
+    """The EBNF grammar of a JSON schema (no free whitespace, JSON Schema's own semantics: properties
+    not listed are allowed unless additionalProperties is false), strings restricted to valid JSON."""
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=False))
+    return _STRING_CLASS.sub(lambda _: _VALID_STRING_CLASS, ebnf)
 
 
 def _first_line(e: Exception) -> str:
