@@ -195,11 +195,6 @@ def test_client_fields_vllm_and_sglang_accept(app_client):
     assert app_client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "hell"
     kept = app_client.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
     assert kept["choices"][0]["text"] == "hello w"
-    # Not supported yet: a clear 400 naming the field, not "unknown field".
-    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),):
-        r = app_client.post("/v1/completions", json={"prompt": "x", **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param
-        assert "not supported yet" in r.json()["error"]["message"]
 
 
 def test_chat_fields_tools_refused_and_template_options():

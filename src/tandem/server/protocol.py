@@ -20,10 +20,36 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM/SGLang: usage so far in every chunk
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema and its name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (at most one field)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -47,7 +73,17 @@ class SamplingRequest(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    response_format: ResponseFormat | None = None  # only {"type": "text"} for now (serving.py says why)
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema (server/structured.py)
+    # Structured output as SGLang and vLLM take it (at most one way per request; server/structured.py)
+    json_schema: dict | str | None = None  # SGLang
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    grammar: str | None = None
+    guided_json: dict | str | None = None  # vLLM (older)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM
     include_stop_str_in_output: bool = False  # vLLM: the text keeps the stop string that ended it
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     min_tokens: Int64 = 0  # vLLM: no EOS or stop token before this many new tokens

@@ -31,6 +31,7 @@ from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                     TokenizeRequest)
 from tandem.server.replicas import ReplicaSet
+from tandem.server.structured import GrammarCheck, requested_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +163,6 @@ class Generation:
 
 def _refuse_unsupported(req: SamplingRequest) -> None:
     """Fields that clients send and tandem cannot honour yet: a 400 saying so, never a silent ignore."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise bad_request(f"response_format: type {fmt.type!r} is not supported yet (structured output); "
-                          "only {'type': 'text'}", "response_format")
     if getattr(req, "tools", None):
         raise bad_request("tools: tool calling is not supported yet", "tools")
     choice = getattr(req, "tool_choice", None)
@@ -229,6 +226,7 @@ class OpenAIServing:
         self._token_strs: dict[int, str] = {}
         self._shown_lens: dict[int, int] = {}
         self._max_token_chars: int | None = None  # the vocabulary's longest entry (_check_text_fits)
+        self._grammar_check: GrammarCheck | None = None
 
     @property
     def speculative(self) -> bool:
@@ -247,6 +245,7 @@ class OpenAIServing:
             raise bad_request("best_of: cannot stream when best_of > n (the best are known only at the end)",
                               "best_of")
         prompts = await self._completion_prompts(req)
+        grammar = await self._grammar(req)
         # echo with max_tokens 0 (log-likelihood of the prompt alone): the engine needs one new token,
         # which is then not returned.
         echo_only = req.echo and req.max_tokens == 0
@@ -257,7 +256,7 @@ class OpenAIServing:
         logprobs = req.logprobs if best_of == req.n or req.logprobs is not None else 0
         gen = self._start(req, prompts, "prompt", 1 if echo_only else req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                           logprobs, {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}, arrival,
-                          prompt_logprobs=prompt_lps, samples=best_of)
+                          prompt_logprobs=prompt_lps, samples=best_of, grammar=grammar)
         for c in gen.choices:
             c.output_hidden = echo_only
         texts = self._prompt_texts(req, prompts) if req.echo else None
@@ -402,11 +401,12 @@ class OpenAIServing:
         self._check_text_fits(sum(len(m.content) if isinstance(m.content, str) else
                                   sum(len(part.text) for part in m.content or ()) for m in req.messages), "messages")
         prompt = await asyncio.to_thread(self._chat_prompt, req)
+        grammar = await self._grammar(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = self._start(req, [prompt], "messages", max_tokens, None, logprobs,
-                          {"logprobs": "top_logprobs", "max_new_tokens": max_tokens_name}, arrival)
+                          {"logprobs": "top_logprobs", "max_new_tokens": max_tokens_name}, arrival, grammar=grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage, req.continuous_usage), gen.close)
@@ -495,7 +495,7 @@ class OpenAIServing:
     def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str,
                max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
                api_names: dict[str, str], arrival: float, prompt_logprobs: int | None = None,
-               samples: int | None = None) -> Generation:
+               samples: int | None = None, grammar: dict | None = None) -> Generation:
         """Validates everything, then sends one engine request per (prompt, sample)."""
         if self.drain.started:
             raise shutting_down()
@@ -503,7 +503,8 @@ class OpenAIServing:
         if self.replicas.dead_reason is not None:
             raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
-        base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names, prompt_logprobs)
+        base = self._sampling_params(req, 1 if max_tokens is None else max_tokens, logprobs, names, prompt_logprobs,
+                                     grammar)
         choices = []
         for i, ids in enumerate(prompts):
             room = self._check_prompt(ids, prompt_param)
@@ -534,8 +535,25 @@ class OpenAIServing:
         self.drain.active.add(gen)
         return gen
 
+    async def _grammar(self, req: SamplingRequest, extra: tuple[str, dict] | None = None) -> dict:
+        """The request's structured-output constraint as SamplingParams keywords ({} for none), compiled
+        once here so that a bad grammar is a 400 naming its field (server/structured.py)."""
+        found = requested_grammar(req, extra)
+        if found is None:
+            return {}
+        field, kwargs = found
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as e:
+            raise bad_request(f"{field}: {str(e).split(': ', 1)[-1]}", field) from None
+        if self._grammar_check is None:
+            self._grammar_check = GrammarCheck(self.tokenizer, self.replicas.info.vocab_size)
+        await self._grammar_check.check(field, params)
+        return kwargs
+
     def _sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                         names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+                         names: dict[str, str], prompt_logprobs: int | None = None,
+                         grammar: dict | None = None) -> SamplingParams:
         bias = None
         if req.logit_bias:
             try:
@@ -548,7 +566,7 @@ class OpenAIServing:
                 min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, **(grammar or {}))
         except ValueError as e:
             raise from_sampling_params_error(e, names) from None
 
