@@ -40,7 +40,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     args = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
                       max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
-                      shutdown_timeout=ns.shutdown_timeout,
+                      shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
                       log_level=ns.log_level)
     return run_server(args, engine_kwargs(ns))
 
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="after SIGTERM, seconds the requests in flight get to finish (new ones get 503)")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                     help="the format tool calls are parsed in (default: detected from the chat template)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
     add_train_draft_parser(sub)

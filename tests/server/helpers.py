@@ -14,7 +14,11 @@ import time
 import httpx
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+# Tool definitions render as JSON lines, an assistant's tool calls as Hermes <tool_call> blocks.
+CHAT_TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+                 "\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 STARTUP_TIMEOUT_S = 120
 

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | None = None,
               max_queued_requests: int | None = None, max_request_bytes: int = 16 << 20,
-              on_ready=None, drain: Drain | None = None) -> FastAPI:
+              on_ready=None, drain: Drain | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """`replicas` are started by the app's lifespan (and shut down with it); `on_ready(info)` is
     called once every engine core is up; `drain` (server/drain.py) is set off by the server's signal
     handler."""
@@ -48,7 +48,8 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
         info = await replicas.start()
         metrics = ServerMetrics(replicas.statuses, info.speculative_algorithm is not None)
         state["metrics"] = metrics
-        state["serving"] = OpenAIServing(replicas, metrics, tokenizer, model_name, max_queued_requests, drain)
+        state["serving"] = OpenAIServing(replicas, metrics, tokenizer, model_name, max_queued_requests, drain,
+                                         tool_call_parser)
         if on_ready is not None:
             on_ready(info)
         try:

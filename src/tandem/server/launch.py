@@ -25,6 +25,7 @@ class ServerArgs:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "INFO"
+    tool_call_parser: str | None = None  # structured/tool_parsers.FORMATS; None: from the chat template
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -80,7 +81,7 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
         drain = Drain(args.shutdown_timeout)
         app = build_app(replicas, tokenizer, model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-                        on_ready=on_ready, drain=drain)
+                        on_ready=on_ready, drain=drain, tool_call_parser=args.tool_call_parser)
         logger.info("waiting for the engine core to load the model")
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                 lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

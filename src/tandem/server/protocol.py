@@ -6,6 +6,7 @@ in `extra_body`. Value ranges are checked by `SamplingParams`, in one place.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -134,11 +135,44 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict:
         msg = self.model_dump(exclude_none=True)
+        for call in msg.get("tool_calls") or ():
+            # OpenAI sends arguments as JSON text; chat templates write them out as a mapping (vLLM does this too).
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass
         if isinstance(self.content, list):
             msg["content"] = "\n".join(part.text for part in self.content)
         elif self.content is None:
             msg["content"] = ""  # OpenAI allows null (an assistant turn with tool calls); templates read a string
         return msg
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls forced by tool_choice always follow the schema
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -149,9 +183,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the output continues the last (assistant) message
     chat_template_kwargs: dict | None = None  # extra variables for the chat template
-    # Refused with a clear 400 until structured output and tool calling land.
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ToolDefinition] | None = None  # rendered through the chat template (server/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply may hold several calls either way
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):
@@ -233,9 +267,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

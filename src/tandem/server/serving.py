@@ -32,6 +32,7 @@ from tandem.server.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest)
 from tandem.server.replicas import ReplicaSet
 from tandem.server.structured import GrammarCheck, requested_grammar
+from tandem.server.tools import ToolPlan, ToolStream, plan_tools, tool_calls_json
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +162,6 @@ class Generation:
         self._open.clear()
 
 
-def _refuse_unsupported(req: SamplingRequest) -> None:
-    """Fields that clients send and tandem cannot honour yet: a 400 saying so, never a silent ignore."""
-    if getattr(req, "tools", None):
-        raise bad_request("tools: tool calling is not supported yet", "tools")
-    choice = getattr(req, "tool_choice", None)
-    if choice is not None and choice != "none":
-        raise bad_request("tool_choice: tool calling is not supported yet (only 'none')", "tool_choice")
-
-
 def default_queue_limit(replicas: ReplicaSet) -> int:
     """The default for --max-queued-requests: twice the requests the engine cores can run at once, each
     replica counting min(--max-running-requests, requests of 2048 tokens (or the context length, if
@@ -214,7 +206,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, replicas: ReplicaSet, metrics: ServerMetrics, tokenizer, model_name: str,
-                 max_queued_requests: int | None, drain: Drain | None = None):
+                 max_queued_requests: int | None, drain: Drain | None = None, tool_call_parser: str | None = None):
         self.drain = drain or Drain(0.0)
         self.replicas = replicas
         self.metrics = metrics
@@ -227,6 +219,7 @@ class OpenAIServing:
         self._shown_lens: dict[int, int] = {}
         self._max_token_chars: int | None = None  # the vocabulary's longest entry (_check_text_fits)
         self._grammar_check: GrammarCheck | None = None
+        self.tool_call_parser = tool_call_parser
 
     @property
     def speculative(self) -> bool:
@@ -400,8 +393,9 @@ class OpenAIServing:
             raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
         self._check_text_fits(sum(len(m.content) if isinstance(m.content, str) else
                                   sum(len(part.text) for part in m.content or ()) for m in req.messages), "messages")
-        prompt = await asyncio.to_thread(self._chat_prompt, req)
-        grammar = await self._grammar(req)
+        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None), self.tool_call_parser)
+        prompt = await asyncio.to_thread(self._chat_prompt, req, tools)
+        grammar = await self._grammar(req, tools.constraint() if tools else None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -409,16 +403,23 @@ class OpenAIServing:
                           {"logprobs": "top_logprobs", "max_new_tokens": max_tokens_name}, arrival, grammar=grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage, req.continuous_usage), gen.close)
+            return SSEResponse(self._chat_stream(gen, rid, created, req.include_usage, req.continuous_usage, tools),
+                               gen.close)
         if not await self._run_to_end(gen, http):
             return Response(status_code=499)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
-                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None,
-                    "finish_reason": c.finish_reason} for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            message, finish = {"role": "assistant", "content": c.detok.text}, c.finish_reason
+            parsed = tools.parse(c.detok.text) if tools else None
+            if parsed is not None and parsed.calls:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": tool_calls_json(parsed)}
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                            "logprobs": {"content": self._chat_logprobs(c.logprobs)} if req.logprobs else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(gen)})
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request(f"the model {self.model_name!r} has no chat template; use /v1/completions "
@@ -427,6 +428,8 @@ class OpenAIServing:
         extra = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             extra["continue_final_message"] = True
+        if tools is not None:
+            extra.update(tools.template_kwargs())
         try:
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
                                           **extra)
@@ -435,7 +438,7 @@ class OpenAIServing:
         return list(ids)
 
     async def _chat_stream(self, gen: Generation, rid: str, created: int, include_usage: bool,
-                           continuous_usage: bool = False):
+                           continuous_usage: bool = False, tools: ToolPlan | None = None):
         def chunk(choices, **extra):
             if continuous_usage and "usage" not in extra:
                 extra["usage"] = self._usage(gen)
@@ -446,12 +449,23 @@ class OpenAIServing:
             for c in gen.choices:
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
+            held = {c.index: ToolStream(tools) for c in gen.choices} if tools else {}
             while (u := await gen.next()) is not None:
                 c = u.choice
                 lp = {"content": self._chat_logprobs(u.logprobs)} if c.params.logprobs is not None else None
-                if u.text or u.logprobs or u.finish_reason:
-                    yield chunk([{"index": c.index, "delta": {"content": u.text} if u.text else {},
-                                  "logprobs": lp, "finish_reason": u.finish_reason}])
+                text, delta, finish = u.text, {}, u.finish_reason
+                if tools:
+                    text = held[c.index].push(u.text)
+                    if finish is not None:
+                        rest, parsed = held[c.index].finish()
+                        text += rest
+                        if parsed.calls:
+                            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls_json(parsed))]
+                            finish = "tool_calls" if finish == "stop" else finish
+                if text:
+                    delta = {"content": text, **delta}
+                if delta or u.logprobs or finish:
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}])
             if include_usage:
                 yield chunk([], usage=self._usage(gen))
             yield "data: [DONE]\n\n"
@@ -499,7 +513,6 @@ class OpenAIServing:
         """Validates everything, then sends one engine request per (prompt, sample)."""
         if self.drain.started:
             raise shutting_down()
-        _refuse_unsupported(req)
         if self.replicas.dead_reason is not None:
             raise engine_unavailable(self.replicas.dead_reason)
         names = {"max_new_tokens": "max_tokens", **api_names}
