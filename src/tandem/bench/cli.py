@@ -34,6 +34,9 @@ def add_bench_parser(sub) -> None:
                    help="also run transformers' greedy generate on the same weights and prompts")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for --temperature > 0")
+    p.add_argument("--json-schema", default=None, metavar="PATH|builtin",
+                   help="constrain every output to a JSON schema (a file, or 'builtin': a list of records); "
+                        "outputs then end with their document, at most --output-len tokens")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/bench-<name>-<date>.json); "
                                                "plots go beside it")
     p.add_argument("--no-plots", action="store_true")
@@ -65,7 +68,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
         input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
-        top_p=ns.top_p,
+        top_p=ns.top_p, json_schema=_json_schema(ns.json_schema),
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
         repeats=ns.repeats,
         command=["tandem", *sys.argv[1:]],
@@ -74,6 +77,17 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     print(report.table(result))
     print(f"wrote {result['json']}" + "".join(f"\nwrote {p}" for p in result.get("plots", [])))
     return 0
+
+
+def _json_schema(arg: str | None) -> dict | None:
+    if arg is None:
+        return None
+    if arg == "builtin":
+        from tandem.bench.json_schemas import BENCH_SCHEMA
+        return BENCH_SCHEMA
+    import json
+    with open(arg) as f:
+        return json.load(f)
 
 
 def _cmd_sweep(ns: argparse.Namespace) -> int:

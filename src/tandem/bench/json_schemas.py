@@ -10,6 +10,15 @@ from __future__ import annotations
 import random
 import string
 
+# `tandem bench --json-schema builtin`: records of short fields, up to 16 of them (long enough documents
+# for a decode-speed measurement, bounded so that every document ends).
+BENCH_SCHEMA = {"type": "array", "minItems": 4, "maxItems": 16, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score"],
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                   "name": {"type": "string", "maxLength": 24},
+                   "tags": {"type": "array", "items": {"enum": ["new", "old", "hot", "cold"]}, "maxItems": 3},
+                   "score": {"type": "number", "minimum": 0, "maximum": 1}}}}
+
 _WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "cat", "dog", "yes", "no", "x1", "tier-2"]
 
 

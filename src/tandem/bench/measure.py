@@ -30,6 +30,7 @@ class RunMetrics:
     decode_iterations: int
     mean_accept_length: float | None = None  # tokens per verify step (accepted drafts + 1); spec only
     accept_per_position: list[float] | None = None  # share of verify steps that accepted draft k+1; spec only
+    grammar_mask_ms_per_step: float | None = None  # host time of grammar masks per engine step (--json-schema)
 
     def as_dict(self) -> dict:
         return {k: rounded(v) for k, v in asdict(self).items()}
@@ -56,12 +57,15 @@ def rounded(v):
     return [rounded(x) for x in v] if isinstance(v, list) else v
 
 
-def run_batch(engine, prompts: list[list[int]], output_len: int,
-              temperature: float = 0.0, top_p: float = 1.0) -> tuple[RunMetrics, list[list[int]]]:
-    """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
+def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: float = 0.0, top_p: float = 1.0,
+              json_schema: dict | None = None) -> tuple[RunMetrics, list[list[int]]]:
+    """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens. With
+    `json_schema`, each output is a document of that schema and ends with it (at most output_len tokens)."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p,
+                            ignore_eos=json_schema is None, json_schema=json_schema)
     spec = engine.runner.spec
     before = _spec_counts(spec)
+    grammar_before = _grammar_time(engine)
     _sync(engine)
     t0 = time.perf_counter()
     rids = [engine.add_request(p, params) for p in prompts]
@@ -93,6 +97,8 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
         iteration_ms=1e3 * (t1 - decode_start) / decode_steps if decode_steps else None,
         decode_iterations=decode_steps,
     )
+    if json_schema is not None and decode_steps:
+        metrics.grammar_mask_ms_per_step = 1e3 * (_grammar_time(engine) - grammar_before) / decode_steps
     if spec is not None:
         after = _spec_counts(spec)
         drafts = after[0] - before[0]
@@ -101,6 +107,11 @@ def run_batch(engine, prompts: list[list[int]], output_len: int,
             old = before[2] + [0] * (len(after[2]) - len(before[2]))
             metrics.accept_per_position = [(a - b) / drafts for a, b in zip(after[2], old)]
     return metrics, tokens
+
+
+def _grammar_time(engine) -> float:
+    grammar = engine.runner.grammar
+    return 0.0 if grammar is None else grammar.mask_seconds
 
 
 def _spec_counts(spec) -> tuple[int, int, list[int]]:

@@ -37,6 +37,7 @@ class BenchConfig:
     compare_hf: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
+    json_schema: dict | None = None  # constrain every output to this schema (structured output)
     out: str | None = None  # None: bench/results/bench-<name>-<date>.json
     plots: bool = True
     progress: bool = True
@@ -134,14 +135,16 @@ def run_bench(cfg: BenchConfig) -> dict:
                     # separate variants when an argument is 1, as a batch of one makes some of them)
                     for b in cfg.batch_sizes:
                         run_batch(engine, random_prompts(b, cfg.input_len, vocab, seed=10_007),
-                                  min(cfg.output_len, 8), cfg.temperature, cfg.top_p)
+                                  min(cfg.output_len, 8), cfg.temperature, cfg.top_p, cfg.json_schema)
                 for b in cfg.batch_sizes:
                     bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
                     prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
                     runs = []
                     for _ in range(cfg.repeats):  # the same prompts each time
-                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature, cfg.top_p)
-                        _check_lengths(toks, cfg.output_len)
+                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature, cfg.top_p,
+                                                  cfg.json_schema)
+                        if cfg.json_schema is None:  # documents end where their schema says
+                            _check_lengths(toks, cfg.output_len)
                         runs.append(metrics)
                     row = median_of_runs(runs)
                     if mode == "spec_off":
@@ -249,7 +252,7 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> di
         "model": {"name": name, "preset": cfg.preset, "model_path": None if cfg.preset else model_path,
                   "load_format": spec_kw.get("load_format"), "draft": draft},
         "input_len": cfg.input_len, "output_len": cfg.output_len, "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
+        "top_p": cfg.top_p, "json_schema": cfg.json_schema,
         "repeats": cfg.repeats,
         "batch_sizes": list(cfg.batch_sizes), "modes": cfg.modes,
         "synthetic_acceptance": None,

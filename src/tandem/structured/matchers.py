@@ -15,6 +15,7 @@ acceptance ever reads.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class GrammarRows:
         self.compiler = compiler
         self.words = (compiler.vocab_size + 31) // 32
         self._entries: dict[str, _Entry] = {}
+        self.mask_seconds = 0.0  # host time spent computing masks (tandem bench --json-schema reports it)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._entries
@@ -91,16 +93,19 @@ class GrammarRows:
 
     def root_masks(self, request_ids) -> torch.Tensor:
         """[B, W] int32 on the host: each request's next-token mask."""
+        started = time.perf_counter()
         out = torch.full((len(request_ids), self.words), ALL_ALLOWED, dtype=torch.int32)
         for i, rid in enumerate(request_ids):
             m = self._active(rid)
             if m is not None:
                 m.fill_next_token_bitmask(out, i)
+        self.mask_seconds += time.perf_counter() - started
         return out
 
     def tree_masks(self, request_ids, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """[B * N, W] int32 on the host: the mask at every node of each row's draft tree (row-major).
         tokens, parents: [B, N] on the host (parents[:, 0] = -1, parents[c] < c)."""
+        started = time.perf_counter()
         b, n = tokens.shape
         out = torch.full((b * n, self.words), ALL_ALLOWED, dtype=torch.int32)
         tokens_l, parents_l = tokens.tolist(), parents.tolist()
@@ -113,6 +118,7 @@ class GrammarRows:
                 if parents_l[i][c] >= 0:
                     children[parents_l[i][c]].append(c)
             _fill_subtree(m, 0, tokens_l[i], children, out, i * n)
+        self.mask_seconds += time.perf_counter() - started
         return out
 
 
