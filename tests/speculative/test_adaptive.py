@@ -20,7 +20,7 @@ class CyclingPolicy(DepthPolicy):
         super().__init__(base.num_steps, tree=base.deepest.tree)
         self.turn = 0
 
-    def choose(self, request_ids, padded_batch):
+    def choose(self, request_ids, padded_batch, constrained=False):
         self.turn += 1
         return self.options[self.turn % len(self.options)]
 
@@ -83,7 +83,7 @@ def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models,
     each on a CPU, so the measured costs would (rightly) make depth a toss-up; a GPU-like cost table
     (drafts cheap next to the verify) is installed and frozen, and the real acceptance observations
     must lead the policy to the full depth."""
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
     with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
                 **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy

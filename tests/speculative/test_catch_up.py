@@ -25,7 +25,7 @@ class ScriptedPolicy(DepthPolicy):
         super().__init__(base.num_steps, tree=base.deepest.tree)
         self.turn = 0
 
-    def choose(self, request_ids, padded_batch):
+    def choose(self, request_ids, padded_batch, constrained=False):
         self.turn += 1
         return self.deepest if self.turn % (ZEROS_RUN + 1) == 0 else self.options[0]
 

@@ -164,3 +164,22 @@ def test_negative_control_root_only_masks_break_the_constraint(grammar_models, p
     with spec_engine(grammar_models, "SELF", CHAIN) as engine:
         outs = engine.generate(input_ids=prompts(len(SCHEMAS)), sampling_params=schema_params(0.0))
     assert any(o.token_ids != r.token_ids for o, r in zip(outs, plain[0.0]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_depth_under_constraints_through_emulated_graphs(grammar_models, plain, monkeypatch, temperature):
+    """Constrained batches at every depth the policy can choose (cycled), CUDA graphs emulated on the
+    CPU: depth-0 steps replay the constrained whole-iteration graph with the root's mask as an input,
+    drafting steps run the graphed phases with tree masks between. Outputs equal plain decoding."""
+    from tests.speculative.test_adaptive import CyclingPolicy
+    from tests.speculative.test_cuda_graph_padding import record_padded_sizes
+
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
+    with spec_engine(grammar_models, "SELF", TREE, cuda_graph_max_bs=16) as engine:
+        engine.runner.spec.policy = CyclingPolicy(engine.runner.spec.policy)
+        sizes = {name: record_padded_sizes(g) for name, g in engine.runner.spec.phases.graphs.items()}
+        outs = engine.generate(input_ids=prompts(len(SCHEMAS))[:12], sampling_params=schema_params(temperature)[:12])
+    for i, out in enumerate(outs):
+        assert out.token_ids == plain[temperature][i].token_ids, f"schema {i}"
+    kind = "greedy" if temperature == 0 else "sampled"
+    assert sizes[f"iteration:{kind}+grammar:chain0"], "no constrained depth-0 step replayed its graph"

@@ -32,7 +32,7 @@ Every per-request value arrives as a row tensor (`SamplingMetadata`); the only h
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,9 @@ SAMPLED_TOP_K = SamplingFeatures(sampled=True, top_k=True)
 # server's defaults among them; and with top-k too); steps with penalties or logprobs run the same code
 # eagerly.
 GRAPHED_SAMPLING = (GREEDY, SAMPLED, SAMPLED_TOP_K)
+# Speculation's depth-0 steps under a grammar also replay whole-iteration graphs (their one mask, the
+# root's, is known before launch; speculative/phases.py).
+GRAPHED_CONSTRAINED = tuple(replace(f, constrained=True) for f in GRAPHED_SAMPLING)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures
+from tandem.layers.sampler import GRAPHED_CONSTRAINED, GRAPHED_SAMPLING, SamplingFeatures
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.speculative import plan
@@ -90,9 +90,12 @@ class SpecPhases:
         graph = self.iteration_graph(features, shape)
         return graph is not None and graph.fits(batch_size)
 
-    def iteration(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, coins, use_coins):
-        """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens)."""
-        return self.graphs[_iteration_key(features, shape)](slots, page_rows, coins, use_coins)
+    def iteration(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, coins, use_coins,
+                  allowed=None):
+        """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens).
+        allowed: [B, V] bool, the root's grammar mask (constrained depth-0 graphs only)."""
+        args = (slots, page_rows, coins, use_coins) + ((allowed,) if features.constrained else ())
+        return self.graphs[_iteration_key(features, shape)](*args)
 
     def catch_up(self, slots, page_rows, kv_bound: int) -> None:
         """The draft over every row's deferred tokens (speculative/catch_up.py)."""
@@ -178,16 +181,22 @@ class SpecPhases:
                 return self._extend_fn(slots, tokens, None, *rest)
         self.graphs["extend"] = GraphedFunction("draft extend", fn, ext, device)
 
+        vocab = runner.arch.vocab_size
         for shape in shapes:
-            for features in GRAPHED_SAMPLING:
-                def iteration(slots, page_rows, coins, use_coins, features=features, shape=shape):
-                    return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features, shape)
+            # A constrained step that drafts needs the host between draft and verify (tree masks); one
+            # that does not (depth 0) has its single mask before launch and replays a graph too.
+            kinds = GRAPHED_SAMPLING + (GRAPHED_CONSTRAINED if not shape.drafts else ())
+            for features in kinds:
+                def iteration(slots, page_rows, coins, use_coins, allowed=None, features=features, shape=shape):
+                    return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features, shape,
+                                                   allowed)
 
+                inputs = [GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
+                          GraphInput((self.num_nodes(shape),), torch.bool, False), GraphInput((), torch.bool, False)]
+                if features.constrained:
+                    inputs.append(GraphInput((vocab,), torch.bool, True))  # the root's grammar mask
                 self.graphs[_iteration_key(features, shape)] = GraphedFunction(
-                    f"whole iteration ({features.name}, {shape.name})", iteration, [
-                        GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
-                        GraphInput((self.num_nodes(shape),), torch.bool, False), GraphInput((), torch.bool, False)],
-                    device)
+                    f"whole iteration ({features.name}, {shape.name})", iteration, inputs, device)
         return list(self.graphs.values())
 
 

@@ -11,7 +11,9 @@ where a_j is the acceptance rate of draft position j given that position j - 1 w
 exponentially weighted average over recent verify steps, the request's own once it has enough
 observations and the engine's otherwise. A tree's expected tokens are the weighted average of its own
 accept lengths. Time is the measured time of an iteration of that option at the batch's padded size:
-timed at start-up when graphs are captured, refined by every step's measured time.
+timed at start-up when graphs are captured, refined by every step's measured time. Batches with a
+grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
+waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
 
 Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
 Only the steps' cost and the accept lengths depend on the choice. Pure Python: unit-tested with a
@@ -105,12 +107,13 @@ class DepthPolicy:
             own[j - 1] += self.decay * (hit - own[j - 1])
         self._requests[request_id] = (own, count + (shape.depth > 0))
 
-    def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None) -> None:
+    def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None,
+                     constrained: bool = False) -> None:
         """One step's time. `weight` (start-up timing over several graph replays) sets a trusted value.
         Online, the first observation of an option at a batch size is often its warm-up (lazy
         initialisation, first-call allocation): the second replaces it, then a mean of the observations
         so far, then a moving average."""
-        key = (padded_batch, shape)
+        key = (_table(padded_batch, constrained), shape)
         old = self.cost_ms.get(key)
         count = self._time_seen.get(key, 0)
         if weight is not None:
@@ -141,10 +144,12 @@ class DepthPolicy:
             total += tokens
         return total
 
-    def choose(self, request_ids, padded_batch: int) -> DraftShape:
+    def choose(self, request_ids, padded_batch: int, constrained: bool = False) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
-        keeps the acceptance beyond the chosen depth known while shorter options win."""
+        keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
+        batch has a grammar-constrained row (its own cost table)."""
+        padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
@@ -156,7 +161,7 @@ class DepthPolicy:
         if last is not None and rate(best) <= rate(last) * (1 + self.hysteresis):
             best = last
         if last != best:
-            logger.info("adaptive speculation: batch %d now drafts %s (acceptance per position %s)",
+            logger.info("adaptive speculation: batch %s now drafts %s (acceptance per position %s)",
                         padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
             self._last_choice[padded_batch] = best
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
@@ -167,9 +172,14 @@ class DepthPolicy:
         self._steps_since_probe[padded_batch] = steps
         return best
 
-    def _probe_interval(self, padded_batch: int, chosen: DraftShape, probe: DraftShape) -> int:
+    def _probe_interval(self, padded_batch, chosen: DraftShape, probe: DraftShape) -> int:
         """Steps between probes: probe_every, or more where one probe step costs more than probe_budget
         of probe_every chosen steps."""
         cost = self.cost_ms[(padded_batch, chosen)]
         extra = max(0.0, self.cost_ms[(padded_batch, probe)] - cost)
         return max(self.probe_every, math.ceil(extra / (self.probe_budget * cost)))
+
+
+def _table(padded_batch: int, constrained: bool):
+    """The cost table's batch key: the padded size, or ("grammar", size) for constrained batches."""
+    return ("grammar", padded_batch) if constrained else padded_batch

@@ -27,7 +27,7 @@ separately. A step that drafts after depth-0 steps first runs the draft over the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -93,6 +93,7 @@ class SpecStepHandle:
     max_depth: int = 0
     shape: DraftShape | None = None  # what the verify rows drafted
     padded_batch: int = 0  # the batch size the policy keys its cost table by
+    constrained: bool = False  # a verify row has a grammar (the policy's other cost table)
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
@@ -140,6 +141,11 @@ class SpecWorker:
             graph = self.phases.iteration_graph(GREEDY, shape)
             for bs in sorted(graph.graphs):
                 self.policy.observe_time(bs, shape, _replay_ms(graph.graphs[bs], replays), weight=1.0)
+        # Constrained batches: only depth 0 replays a graph; the drafting shapes are timed as they run.
+        depth0 = DraftShape(0)
+        graph = self.phases.iteration_graph(replace(GREEDY, constrained=True), depth0)
+        for bs in sorted(graph.graphs) if graph is not None else ():
+            self.policy.observe_time(bs, depth0, _replay_ms(graph.graphs[bs], replays), weight=1.0, constrained=True)
         catch_up_graph = self.phases.graphs.get("catch_up")
         for bs, graph in (catch_up_graph.graphs.items() if catch_up_graph is not None else ()):
             self.catch_up_ms[bs] = _replay_ms(graph, replays)
@@ -158,10 +164,11 @@ class SpecWorker:
         without a policy). Call before `launch` and drop requests first (tensor parallelism does both)."""
         self.drop_requests(sched.preempted_ids)
         self.drop_requests(sched.finished_ids)
-        verify = [c.request_id for c in sched.chunks if self.is_verify(c)]
+        verify = [c for c in sched.chunks if self.is_verify(c)]
         if self.policy is None or not verify:
             return None
-        return self.policy.choose(verify, self.padded_batch(len(verify)))
+        return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
+                                  constrained=any(c.sampling_params.constrained for c in verify))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
@@ -188,6 +195,7 @@ class SpecWorker:
         it = handle.iteration
         b = len(chunks)
         features = SamplingFeatures.of([c.sampling_params for c in chunks])
+        handle.constrained = features.constrained
         handle.verify_ids = [c.request_id for c in chunks]
         handle.padded_batch = self.padded_batch(b)
         shape = shape or self.phases.configured
@@ -371,17 +379,22 @@ class SpecWorker:
         else:
             coins = torch.zeros(coin_shape, dtype=torch.bool, device=device)
         use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
+        allowed = None
+        if features.constrained:  # depth 0: the root's mask, known before launch (all-allowed without matchers)
+            allowed = self.runner.grammar_masks(handle.verify_ids)
+            if allowed is None:
+                allowed = torch.ones(b, self.runner.arch.vocab_size, dtype=torch.bool, device=device)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
         if needs_catch_up:
             self.phases.catch_up(slots, page_rows, self.phases.graph_kv_width)
-        accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins)
+        accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins, allowed)
         handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
 
     def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int, features: SamplingFeatures,
-                         shape: DraftShape):
+                         shape: DraftShape, allowed=None):
         """One speculative iteration from device state alone (the body of the whole-iteration graph):
         draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
         same phases with the plan stream preparing metadata beside the draft."""
@@ -399,7 +412,7 @@ class SpecWorker:
         logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask, chain=tree.chain)
-        accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins))
+        accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins), allowed)
         if not shape.drafts:
             catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0],
                                   self._feature(hidden.reshape(-1, hidden.shape[-1]),
@@ -598,7 +611,8 @@ class SpecWorker:
             self.policy.observe_accept(rid, handle.shape, k)
         if not handle.prefill_ids:
             ms = 1e3 * (now - started) if self.runner.device.type == "cuda" else handle.launch_ms
-            self.policy.observe_time(handle.padded_batch, handle.shape, max(ms - handle.catch_up_ms, 0.5 * ms))
+            self.policy.observe_time(handle.padded_batch, handle.shape, max(ms - handle.catch_up_ms, 0.5 * ms),
+                                     constrained=handle.constrained)
 
 
 def _replay_ms(graph, replays: int) -> float:
