@@ -170,7 +170,8 @@ def test_negative_control_root_only_masks_break_the_constraint(grammar_models, p
 def test_every_depth_under_constraints_through_emulated_graphs(grammar_models, plain, monkeypatch, temperature):
     """Constrained batches at every depth the policy can choose (cycled), CUDA graphs emulated on the
     CPU: depth-0 steps replay the constrained whole-iteration graph with the root's mask as an input,
-    drafting steps run the graphed phases with tree masks between. Outputs equal plain decoding."""
+    drafting steps two half-iteration graphs with the host's tree masks between. Outputs equal plain
+    decoding."""
     from tests.speculative.test_adaptive import CyclingPolicy
     from tests.speculative.test_cuda_graph_padding import record_padded_sizes
 
@@ -183,3 +184,5 @@ def test_every_depth_under_constraints_through_emulated_graphs(grammar_models, p
         assert out.token_ids == plain[temperature][i].token_ids, f"schema {i}"
     kind = "greedy" if temperature == 0 else "sampled"
     assert sizes[f"iteration:{kind}+grammar:chain0"], "no constrained depth-0 step replayed its graph"
+    for shape in ("chain1", "chain4", "tree"):  # drafting steps: the draft graph, then verify-and-commit's
+        assert sizes[f"draft:{shape}"] and sizes[f"verify_commit:{kind}+grammar:{shape}"], shape

@@ -97,6 +97,23 @@ class SpecPhases:
         args = (slots, page_rows, coins, use_coins) + ((allowed,) if features.constrained else ())
         return self.graphs[_iteration_key(features, shape)](*args)
 
+    def split_graphed(self, batch_size: int, features: SamplingFeatures, shape: DraftShape) -> bool:
+        """Whether a constrained step that drafts can replay its two half-iteration graphs (the host
+        computes the tree's grammar masks between them)."""
+        graph = self.graphs.get(_verify_commit_key(features, shape))
+        return graph is not None and graph.fits(batch_size)
+
+    def draft_half(self, shape: DraftShape, slots, page_rows) -> DraftTree:
+        tokens, parents, depths = self.graphs[f"draft:{shape.name}"](slots, page_rows)
+        max_depth = self.tree_max_depth if shape.tree else shape.depth
+        return DraftTree(tokens, parents, depths, max_depth=max_depth, chain=self.chain or not shape.tree)
+
+    def verify_half(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, tree: DraftTree, coins,
+                    use_coins, allowed):
+        """(accept_lens, out_tokens). allowed: [B, N, V] bool, every node's grammar mask."""
+        return self.graphs[_verify_commit_key(features, shape)](slots, page_rows, tree.tokens, tree.parents,
+                                                                tree.depths, coins, use_coins, allowed)
+
     def catch_up(self, slots, page_rows, kv_bound: int) -> None:
         """The draft over every row's deferred tokens (speculative/catch_up.py)."""
         graph = self.graphs.get("catch_up")
@@ -197,7 +214,41 @@ class SpecPhases:
                     inputs.append(GraphInput((vocab,), torch.bool, True))  # the root's grammar mask
                 self.graphs[_iteration_key(features, shape)] = GraphedFunction(
                     f"whole iteration ({features.name}, {shape.name})", iteration, inputs, device)
+            if shape.drafts:
+                self._build_split_graphs(worker, shape, kv_width, num_pages, vocab)
         return list(self.graphs.values())
+
+
+    def _build_split_graphs(self, worker, shape: DraftShape, kv_width: int, num_pages: int, vocab: int) -> None:
+        """A constrained drafting step as two graphs, the draft and the rest (verify, accept, commit,
+        extend), with the host's tree masks between them. Greedy and sampled (top-p / min-p) steps; with
+        top-k they run the phases eagerly."""
+        runner, pool, device, long = self.runner, self.drafter.pool, self.runner.device, torch.long
+        n = self.num_nodes(shape)
+
+        def draft(slots, page_rows):
+            tree = worker.draft_for_iteration(slots, page_rows, kv_width, shape)
+            return tree.tokens, tree.parents, tree.depths
+
+        self.graphs[f"draft:{shape.name}"] = GraphedFunction(f"draft ({shape.name})", draft, [
+            GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
+        for features in GRAPHED_CONSTRAINED[:2]:
+            def rest(slots, page_rows, tokens, parents, depths, coins, use_coins, allowed, features=features):
+                tree = DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth if shape.tree else shape.depth,
+                                 chain=self.chain or not shape.tree)
+                return worker.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_width, features, shape,
+                                                allowed.reshape(-1, vocab))
+
+            self.graphs[_verify_commit_key(features, shape)] = GraphedFunction(
+                f"verify and commit ({features.name}, {shape.name})", rest, [
+                    GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page),
+                    GraphInput((n,), long, 0), GraphInput((n,), long, -1), GraphInput((n,), long, 0),
+                    GraphInput((n,), torch.bool, False), GraphInput((), torch.bool, False),
+                    GraphInput((n, vocab), torch.bool, True)], device)
+
+
+def _verify_commit_key(features: SamplingFeatures, shape: DraftShape) -> str:
+    return f"verify_commit:{features.name}:{shape.name}"
 
 
 def _iteration_key(features: SamplingFeatures, shape: DraftShape) -> str:

@@ -210,7 +210,8 @@ class SpecWorker:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
             handle.catch_up_ms = self.catch_up_ms.get(handle.padded_batch, 0.0)
-        if self.phases.iteration_graphed(b, features, shape):
+        if self.phases.iteration_graphed(b, features, shape) or (
+                features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
             self._launch_verify_graphed(b, features, shape, handle, outputs, needs_catch_up)
             return
 
@@ -364,7 +365,8 @@ class SpecWorker:
     def _launch_verify_graphed(self, b: int, features: SamplingFeatures, shape: DraftShape, handle: SpecStepHandle,
                                outputs, needs_catch_up: bool) -> None:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
-        pool's device state, so there is nothing for the plan stream to prepare in parallel."""
+        pool's device state, so there is nothing for the plan stream to prepare in parallel. A constrained
+        step that drafts replays two graphs, the draft and the rest, with the host's tree masks between."""
         s, pool, device = self.streams, self.pool, self.runner.device
         it = handle.iteration
         s.read("page_table_staging", "main")
@@ -379,16 +381,29 @@ class SpecWorker:
         else:
             coins = torch.zeros(coin_shape, dtype=torch.bool, device=device)
         use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
+        vocab = self.runner.arch.vocab_size
         allowed = None
-        if features.constrained:  # depth 0: the root's mask, known before launch (all-allowed without matchers)
+        if features.constrained and not shape.drafts:  # the root's mask, known before launch
             allowed = self.runner.grammar_masks(handle.verify_ids)
-            if allowed is None:
-                allowed = torch.ones(b, self.runner.arch.vocab_size, dtype=torch.bool, device=device)
+            if allowed is None:  # (tensor parallelism: ranks without matchers take rank 0's tokens)
+                allowed = torch.ones(b, vocab, dtype=torch.bool, device=device)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
         if needs_catch_up:
             self.phases.catch_up(slots, page_rows, self.phases.graph_kv_width)
-        accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins, allowed)
+        if features.constrained and shape.drafts:
+            s.write(f"draft_tree[{it}]", "main")
+            tree = self.phases.draft_half(shape, slots, page_rows)
+            allowed = self._tree_grammar_masks(handle, tree)  # [B * N, V]: waits for the draft
+            n = coin_shape[1]
+            allowed = (torch.ones(b, n, vocab, dtype=torch.bool, device=device) if allowed is None
+                       else allowed.view(b, n, vocab))
+            handle.keep_alive.append(tree)
+            accept_lens, out_tokens = self.phases.verify_half(features, shape, slots, page_rows, tree, coins, use_coins,
+                                                              allowed)
+        else:
+            accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins,
+                                                            allowed)
         handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
@@ -398,17 +413,29 @@ class SpecWorker:
         """One speculative iteration from device state alone (the body of the whole-iteration graph):
         draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
         same phases with the plan stream preparing metadata beside the draft."""
+        tree = self.draft_for_iteration(slots, page_rows, kv_bound, shape)
+        return self.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_bound, features, shape, allowed)
+
+    def draft_for_iteration(self, slots, page_rows, kv_bound: int, shape: DraftShape) -> DraftTree:
+        """The first half of `decode_iteration`: the draft tree (a graph of its own for constrained steps,
+        whose host computes the tree's grammar masks before the second half)."""
         pool, drafter = self.pool, self.drafter
-        n, ps = self.phases.num_nodes(shape), self.runner.page_size
         # Padded rows share the pool's pad row; start it from zero so their positions stay small.
         pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (a kernel: no host value inside a capture)
         pool.draft_entries[pool.pad_slot:pool.pad_slot + 1].zero_()
+        n = self.phases.num_nodes(shape)
+        if shape == self.phases.configured:
+            return drafter.draft_tree(slots, page_rows, kv_bound, n)
+        return drafter.draft_tree(slots, page_rows, kv_bound, n, shape.depth)  # a shorter chain of the policy's
+
+    def verify_and_commit(self, slots, page_rows, tree: DraftTree, coins, use_coins, kv_bound: int,
+                          features: SamplingFeatures, shape: DraftShape, allowed=None):
+        """The second half of `decode_iteration`: verify, accept and commit, draft extend (or its deferral).
+        allowed: [B * N, V] bool, each node's grammar mask, or None."""
+        pool, drafter = self.pool, self.drafter
+        n, ps = self.phases.num_nodes(shape), self.runner.page_size
         seq_lens = pool.seq_lens[slots]
         vplan = plan.plan_verify(page_rows, seq_lens, n, kv_bound, ps)
-        if shape == self.phases.configured:
-            tree = drafter.draft_tree(slots, page_rows, kv_bound, n)
-        else:  # a shorter chain of the adaptive policy's
-            tree = drafter.draft_tree(slots, page_rows, kv_bound, n, shape.depth)
         logits, hidden, *aux = self.phases.verify_forward(tree.tokens, tree.parents, tree.depths, vplan.seq_lens,
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask, chain=tree.chain)
