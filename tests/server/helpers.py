@@ -14,11 +14,12 @@ import time
 import httpx
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-# Tool definitions render as JSON lines, an assistant's tool calls as Hermes <tool_call> blocks.
+# Tool definitions render as JSON lines, an assistant's tool calls as Hermes <tool_call> blocks. (A newline
+# right after a block tag is trimmed by the templates' trim_blocks: it is written as an expression.)
 CHAT_TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
                  "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
                  "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
-                 "\n{% endfor %}"
+                 "{{ '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 STARTUP_TIMEOUT_S = 120
 

@@ -197,14 +197,10 @@ def test_client_fields_vllm_and_sglang_accept(app_client):
     assert kept["choices"][0]["text"] == "hello w"
 
 
-def test_chat_fields_tools_refused_and_template_options():
+def test_chat_template_options():
     tok = byte_level_tokenizer()
     with chat_app_client() as http:
         base = {"messages": [{"role": "user", "content": "h"}, {"role": "assistant", "content": "H"}], "max_tokens": 1}
-        r = http.post("/v1/chat/completions", json={**base, "tools": [{"type": "function", "function": {"name": "f"}}]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-        r = http.post("/v1/chat/completions", json={**base, "tool_choice": "required"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert http.post("/v1/chat/completions", json={**base, "tool_choice": "none"}).status_code == 200
         # What the template was asked for shows in the prompt's length: continuing the assistant's
         # message ends the prompt right after it; a new turn adds the generation prompt.
@@ -304,3 +300,27 @@ def test_an_unexpected_error_is_a_500_and_the_connection_stays_usable():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_requests_a_schema_fuzzer_found():
+    """Two requests schemathesis found: /tokenize with an empty message list was a 500, and a request
+    of more engine requests than the queue can ever hold was a 503 telling the client to retry."""
+    with chat_app_client() as http:
+        r = http.post("/tokenize", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    tok = byte_level_tokenizer()
+    with TestClient(build_app(ReplicaSet([EchoEngineClient()]), tok, "echo", max_queued_requests=8)) as http:
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = http.post("/v1/completions", json={"prompt": ["a"] * 9, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert http.post("/v1/completions", json={"prompt": ["a"] * 8, "max_tokens": 1}).status_code == 200
+        # The schema says what the server checks: token ids are >= 0, best_of at most 128, streams are SSE.
+        schema = http.get("/openapi.json").json()
+        detok = schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+        assert detok["minimum"] == 0
+        best_of = schema["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"]["anyOf"][0]
+        assert best_of["maximum"] == 128 and best_of["minimum"] == 1
+        assert "text/event-stream" in schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+        r = http.post("/detokenize", json={"tokens": [-1]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("tokens")

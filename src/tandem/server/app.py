@@ -227,10 +227,15 @@ def _openapi(app: FastAPI) -> dict:
 
     error = {"description": "an error in OpenAI's shape, naming the field", "content": {
         "application/json": {"schema": ref(protocol.ErrorResponse)}}}
+    stream = {"schema": {"type": "string", "description": "server-sent events: `data: {chunk}` lines, then "
+                                                          "`data: [DONE]`"}}
     for (path, method), model in RESPONSE_BODIES.items():
         op = schema["paths"].get(path, {}).get(method)
         if op is not None:
-            op["responses"] = {"200": {"description": "OK", "content": {"application/json": {"schema": ref(model)}}},
+            content = {"application/json": {"schema": ref(model)}}
+            if path.startswith("/v1/") and method == "post":
+                content["text/event-stream"] = stream  # "stream": true
+            op["responses"] = {"200": {"description": "OK", "content": content},
                                "400": error, "401": error, "404": error, "503": error}
     for path, model in REQUEST_BODIES.items():
         schema["paths"][path]["post"]["requestBody"] = {"required": True,

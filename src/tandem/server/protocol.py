@@ -118,7 +118,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too; max_tokens 0 allowed)
     prompt_logprobs: Int64 | None = None  # vLLM: each prompt token's logprob and the top n there
     suffix: str | None = None
-    best_of: Int64 | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
 
 
 class TextPart(BaseModel):
@@ -201,7 +201,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True  # for a prompt
     add_generation_prompt: bool = True  # for messages
 
@@ -217,7 +217,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[Int64]
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]  # token ids (the vocabulary bounds them further)
 
 
 # ---- response bodies: what the endpoints return (the OpenAPI schema names them; tests check real

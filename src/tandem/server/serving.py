@@ -538,6 +538,11 @@ class OpenAIServing:
                 detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                req.include_stop_str_in_output)
                 choices.append(Choice(index, f"{uuid.uuid4().hex[:16]}-{index}", i, ids, params, detok, arrival))
+        if self.max_queued_requests is not None and len(choices) > self.max_queued_requests:
+            # Retrying could never help: a 400 naming what makes the request too big.
+            raise bad_request(f"{'n' if samples > 1 else prompt_param}: the request makes {len(choices)} engine "
+                              f"requests (prompts x n), more than the queue ever holds ({self.max_queued_requests})",
+                              "n" if samples > 1 else prompt_param)
         if self.max_queued_requests is not None and self.replicas.num_queued + len(choices) > self.max_queued_requests:
             raise OpenAIError(503, f"the server's request queue is full ({self.replicas.num_queued} waiting, "
                                    f"limit {self.max_queued_requests}); retry later",
