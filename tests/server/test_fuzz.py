@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, MODEL_NAME
 from tests.server.test_server import wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -31,7 +31,9 @@ def bounded_schema(model) -> dict:
     not long generations): few tokens, few samples."""
     schema = json.loads(json.dumps(model.model_json_schema()))
     props = schema["properties"]
-    for name in ("max_tokens", "max_completion_tokens", "best_of", "logprobs", "top_logprobs"):
+    if "best_of" in props:
+        props["best_of"]["anyOf"][0].update(maximum=3)
+    for name in ("max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"):
         if name in props and "anyOf" in props[name]:
             props[name]["anyOf"][0].update(minimum=-2, maximum=6)
     props["n"].update(maximum=2)
@@ -42,6 +44,17 @@ def bounded_schema(model) -> dict:
         if name in props:
             target = props[name]["anyOf"][0] if "anyOf" in props[name] else props[name]
             target.update(minimum=lo, maximum=hi)
+    # Grammars: a few valid and invalid ones (random text is almost never a valid grammar), in two of
+    # the fields that carry one (each optional field is present half the time: more would mostly
+    # collide, one constraint per request); each compiles or is refused by name, never a 5xx.
+    for name in ("ebnf", "grammar", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                 "structured_outputs"):
+        props.pop(name, None)
+    props["regex"] = {"enum": ["[ab]{1,3}", "x|y", "(unclosed"]}
+    props["json_schema"] = {"enum": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "nope"}]}
+    props["model"] = {"enum": [MODEL_NAME, MODEL_NAME, "another-model"]}  # mostly the served one (else a 404)
+    props["response_format"] = {"enum": [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]}
     return schema
 
 

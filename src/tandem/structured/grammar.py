@@ -108,6 +108,10 @@ def json_schema_ebnf(xgrammar, schema_text: str) -> str:
     return _STRING_CLASS.sub(lambda _: _VALID_STRING_CLASS, ebnf)
 
 
+# xgrammar's messages start with "[hh:mm:ss] /its/source.cc:94: ": the reason is what follows.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
+    return _LOG_PREFIX.sub("", text.splitlines()[0])[:300]
