@@ -62,7 +62,7 @@ def main() -> None:
     target, head = write_preset(ns.shape, tempfile.mkdtemp())
     common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=2048,
                   max_running_requests=max(ns.batch_sizes), cuda_graph_max_bs=max(ns.batch_sizes),
-                  attention_backend="triton")
+                  attention_backend="triton", max_total_tokens=max(ns.batch_sizes) * 2048)
     rows = {b: {} for b in ns.batch_sizes}
     plain = Engine(target, **common)
     plain_graph = plain.runner.decode_graphs[GREEDY]
