@@ -1,6 +1,8 @@
 """Every shell and Python block marked `<!-- runnable on a CPU -->` in README.md and docs/*.md runs and
 exits 0, with the demo pair and small token counts, so the documentation cannot drift from the code.
-Shell blocks run in the repository root with this interpreter's environment standing in for `.venv/`."""
+Shell blocks run in the repository root with this interpreter's environment standing in for `.venv/`.
+Python blocks marked `<!-- runnable against the demo server -->` run against `tandem serve` (the demo
+pair on port 30000, as the blocks say), started once for them."""
 
 from __future__ import annotations
 
@@ -14,19 +16,22 @@ import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MARK = "<!-- runnable on a CPU -->"
-BLOCK = re.compile(re.escape(MARK) + r"\s*\n```(bash|python)\n(.*?)\n```", re.S)
+SERVER_MARK = "<!-- runnable against the demo server -->"
+DEMO_PORT = 30000
 
 
-def runnable_blocks() -> list[tuple[str, str, str]]:
+def runnable_blocks(mark: str = MARK, langs: str = "bash|python") -> list[tuple[str, str, str]]:
+    block = re.compile(re.escape(mark) + r"\s*\n```(" + langs + r")\n(.*?)\n```", re.S)
     blocks = []
     for path in [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
         text = open(path).read()
-        for i, m in enumerate(BLOCK.finditer(text)):
+        for i, m in enumerate(block.finditer(text)):
             blocks.append((f"{os.path.relpath(path, REPO)}#{i}", m.group(1), m.group(2)))
     return blocks
 
 
 BLOCKS = runnable_blocks()
+SERVER_BLOCKS = runnable_blocks(SERVER_MARK, "python")
 
 
 def test_the_docs_mark_enough_blocks():
@@ -47,4 +52,35 @@ def test_block_runs(where, lang, code, tmp_path):
         script = code.replace(" /tmp/", f" {tmp_path}/").replace(".venv/bin/", bin_dir + "/")
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
+    assert proc.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    import time
+    import urllib.request
+
+    log = open(tmp_path_factory.mktemp("demo-server") / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "--port", str(DEMO_PORT), "--device", "cpu"],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"}, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{DEMO_PORT}/health", timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()[-3000:]
+            time.sleep(0.5)
+    yield proc
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_the_docs_mark_server_blocks():
+    assert len(SERVER_BLOCKS) >= 2, [b[0] for b in SERVER_BLOCKS]
+
+
+@pytest.mark.parametrize("where,lang,code", SERVER_BLOCKS, ids=[b[0] for b in SERVER_BLOCKS])
+def test_server_block_runs(where, lang, code, demo_server):
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{where} failed:\n{code}\n--- stderr ---\n{proc.stderr[-3000:]}"

@@ -38,7 +38,14 @@ def _servers(chat_ckpt, tmp_path_factory):
                                    "--speculative-draft-model-path", chat_ckpt, "--speculative-num-steps", "3",
                                    "--speculative-num-draft-tokens", "4",
                                    "--speculative-adaptive", "off"], logs / "spec.log")
-    with started_together({"main": main, "spec": spec}) as servers:
+    # Structured output and tool calls (the spec server above is killed by a test): drafting every step
+    # (on a CPU the adaptive policy would rightly stop: a self-draft costs a whole target forward), so
+    # every tree node's grammar mask is exercised.
+    structured = ServerProcess(common + ["--max-total-tokens", "65536", "--speculative-algorithm", "STANDALONE",
+                                         "--speculative-draft-model-path", chat_ckpt, "--speculative-num-steps", "3",
+                                         "--speculative-num-draft-tokens", "4", "--speculative-adaptive", "off"],
+                               logs / "structured.log")
+    with started_together({"main": main, "spec": spec, "structured": structured}) as servers:
         yield servers
 
 
@@ -65,3 +72,10 @@ def ref_engine(chat_ckpt):
 
     with Engine(chat_ckpt, device="cpu", dtype="float32") as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def structured_server(_servers) -> ServerProcess:
+    srv = _servers["structured"]
+    srv.wait_ready()
+    return srv

@@ -22,8 +22,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def client(spec_server):
-    return openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def client(structured_server):
+    return openai.OpenAI(base_url=structured_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def test_chat_json_schema_with_the_openai_client(client):
@@ -57,10 +57,10 @@ def test_completions_json_object_and_streaming(client):
     ({"guided_json": json.dumps({"type": "array", "items": {"type": "boolean"}, "maxItems": 3})},
      lambda t: isinstance(json.loads(t), list)),
 ])
-def test_sglang_and_vllm_dialects(spec_server, body, check):
+def test_sglang_and_vllm_dialects(structured_server, body, check):
     import httpx
 
-    r = httpx.post(spec_server.url + "/v1/completions", timeout=60,
+    r = httpx.post(structured_server.url + "/v1/completions", timeout=60,
                    json={"prompt": "go", "max_tokens": 64, "temperature": 1.0, "seed": 1, **body})
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
@@ -78,13 +78,13 @@ def test_sglang_and_vllm_dialects(spec_server, body, check):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_choice": []}, "guided_choice"),
 ])
-def test_bad_grammars_are_400s_naming_the_field(spec_server, body, param):
+def test_bad_grammars_are_400s_naming_the_field(structured_server, body, param):
     import httpx
 
-    r = httpx.post(spec_server.url + "/v1/completions", json={"prompt": "go", "max_tokens": 4, **body}, timeout=60)
+    r = httpx.post(structured_server.url + "/v1/completions", json={"prompt": "go", "max_tokens": 4, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    ok = httpx.post(spec_server.url + "/v1/completions", json={"prompt": "go", "max_tokens": 2}, timeout=60)
+    ok = httpx.post(structured_server.url + "/v1/completions", json={"prompt": "go", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
 

@@ -106,8 +106,8 @@ def test_template_without_tool_support_is_a_400():
 
 
 @pytest.fixture(scope="module")
-def client(spec_server):
-    return openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def client(structured_server):
+    return openai.OpenAI(base_url=structured_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def test_required_and_named_tool_choice_give_schema_valid_arguments(client):
@@ -127,6 +127,10 @@ def test_required_and_named_tool_choice_give_schema_valid_arguments(client):
         (call,) = out.choices[0].message.tool_calls
         assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), schemas["get_time"])
+    one = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather?"}],
+                                         tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=300, temperature=1.0, seed=7)
+    assert len(one.choices[0].message.tool_calls) == 1
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Time?"}],
                                             tools=[TIME], tool_choice="required", max_tokens=100, stream=True)
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]

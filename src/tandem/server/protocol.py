@@ -185,7 +185,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict | None = None  # extra variables for the chat template
     tools: list[ToolDefinition] | None = None  # rendered through the chat template (server/tools.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a reply may hold several calls either way
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" yields exactly one call
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):

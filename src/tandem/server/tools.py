@@ -30,6 +30,7 @@ class ToolPlan:
     tools: tuple[dict, ...]  # OpenAI tool definitions, as the template takes them
     fmt: str  # tool_parsers format of the reply (auto)
     named: str | None = None
+    parallel: bool = True  # parallel_tool_calls: a reply may hold several calls
 
     def template_kwargs(self) -> dict:
         return {"tools": list(self.tools)}
@@ -42,8 +43,10 @@ class ToolPlan:
             options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                          "parameters": self._parameters(t["function"]["name"])},
                         "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            return "tool_choice", {"json_schema": {"type": "array", "minItems": 1,
-                                                   "items": options[0] if len(options) == 1 else {"anyOf": options}}}
+            array = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+            if not self.parallel:
+                array["maxItems"] = 1
+            return "tool_choice", {"json_schema": array}
         return None
 
     def _parameters(self, name: str) -> dict:
@@ -82,7 +85,8 @@ def plan_tools(req: ChatCompletionRequest, chat_template: str | None, parser: st
         if choice.function.name not in names:
             raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
         return ToolPlan("named", tools, fmt, choice.function.name)
-    return ToolPlan("required" if choice == "required" else "auto", tools, fmt)
+    return ToolPlan("required" if choice == "required" else "auto", tools, fmt,
+                    parallel=req.parallel_tool_calls is not False)
 
 
 def tool_calls_json(parsed: ParsedReply) -> list[dict]:
