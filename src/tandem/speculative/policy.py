@@ -52,7 +52,7 @@ class DraftShape:
 
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
-                 probe_every: int = 32, probe_budget: float = 0.01, prior: float = 0.6, prior_weight: float = 4.0,
+                 probe_every: int = 32, probe_budget: float = 0.01, prior: float = 0.6, prior_weight: float = 2.0,
                  hysteresis: float = 0.03):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
         request's own acceptance replaces the engine's; probe_every, probe_budget: while a shorter option
@@ -73,7 +73,8 @@ class DepthPolicy:
         self.hysteresis = hysteresis
         self.prior = prior
         self.reset_acceptance()
-        self._requests: dict[str, tuple[list[float], int]] = {}  # request id -> (a_1..a_D, observations)
+        # request id -> (its a_1..a_D, its observations of each position, its drafting steps)
+        self._requests: dict[str, tuple[list[float], list[int], int]] = {}
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
         self._time_seen: dict[tuple[int, DraftShape], int] = {}  # observations behind each cost
         self._last_choice: dict[int, DraftShape] = {}
@@ -98,14 +99,18 @@ class DepthPolicy:
             self.tree_tokens += self._weight(self._tree_seen) * (accept_len - self.tree_tokens)
             self._tree_seen += 1
             return
-        own, count = self._requests.get(request_id) or (list(self.acceptance), 0)
+        # A request's own rates start from the engine's, worth prior_weight observations, and are then
+        # weighted as the engine's are (a slow moving average from the start kept the prior for
+        # dozens of steps, and a request that never accepted a draft kept drafting).
+        own, own_seen, count = self._requests.get(request_id) or (list(self.acceptance), [0] * self.num_steps, 0)
         # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
         for j in range(1, min(accept_len, shape.depth) + 1):
             hit = 1.0 if j < accept_len else 0.0
             self.acceptance[j - 1] += self._weight(self._seen[j - 1]) * (hit - self.acceptance[j - 1])
             self._seen[j - 1] += 1
-            own[j - 1] += self.decay * (hit - own[j - 1])
-        self._requests[request_id] = (own, count + (shape.depth > 0))
+            own[j - 1] += self._weight(own_seen[j - 1]) * (hit - own[j - 1])
+            own_seen[j - 1] += 1
+        self._requests[request_id] = (own, own_seen, count + (shape.depth > 0))
 
     def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None,
                      constrained: bool = False) -> None:
@@ -135,7 +140,7 @@ class DepthPolicy:
             return self.tree_tokens * len(request_ids)
         total = 0.0
         for rid in request_ids:
-            own, count = self._requests.get(rid) or (None, 0)
+            own, _, count = self._requests.get(rid) or (None, None, 0)
             rates = own if count >= self.min_request_obs else self.acceptance
             run, tokens = 1.0, 1.0
             for j in range(shape.depth):
