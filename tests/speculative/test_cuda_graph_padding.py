@@ -98,3 +98,23 @@ def test_self_draft_accepts_everything_with_graphs(spec_models, reference):
     for out, want in zip(outs, reference):
         assert out.token_ids == want
         assert all(a == 4 for a in out.spec_accept_lengths[:-1]), out.spec_accept_lengths
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "SELF"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_every_graph_runs_on_its_pad_inputs(spec_models, kind, shape):
+    """A real capture first runs each graph's function once on its padded static inputs (every row a pad
+    row); emulation skips that run, so it is made here for every graph of every kind, constrained
+    halves included. A function that indexes out of range on pad values fails this on a CPU instead of
+    as a device-side assert at a GPU's start-up (the constrained verify half once did, for chains
+    drafted by a tree drafter: padded depths were all 0)."""
+    import torch
+
+    alg = "STANDALONE" if kind == "SELF" else kind
+    with Engine(spec_models["target"], speculative_algorithm=alg, speculative_draft_model_path=spec_models[kind],
+                cuda_graph_max_bs=4, **shape, **ENGINE) as engine:
+        graphs = engine.runner.spec.phases.graphs
+        assert any(name.startswith("verify_commit:") for name in graphs)
+        for name, graphed in graphs.items():
+            static = [torch.full((3, *spec.tail_shape), spec.pad, dtype=spec.dtype) for spec in graphed.inputs]
+            graphed.fn(*static)  # raises on an out-of-range index

@@ -234,6 +234,10 @@ class SpecPhases:
             GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
         for features in GRAPHED_CONSTRAINED[:2]:
             def rest(slots, page_rows, tokens, parents, depths, coins, use_coins, allowed, features=features):
+                if not shape.tree:
+                    # A chain's depths are its node indices. The padded rows' inputs are not a chain (all
+                    # depth 0): their accepted nodes would collide in the accepted path.
+                    depths = torch.arange(n, device=tokens.device).expand(tokens.shape[0], n)
                 tree = DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth if shape.tree else shape.depth,
                                  chain=self.chain or not shape.tree)
                 return worker.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_width, features, shape,
