@@ -60,3 +60,35 @@ def test_seeded_sampling_tp2_equals_tp1(tp_models):
         with Engine(target, tp_size=tp, **ENGINE, **spec) as engine:
             outs.append([o.token_ids for o in engine.generate(input_ids=PROMPTS[:3], sampling_params=params)])
     assert outs[0] == outs[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_target(tmp_path_factory):
+    from tests.engine.helpers import make_tokenizer_checkpoint
+
+    path, _, _ = make_tokenizer_checkpoint(str(tmp_path_factory.mktemp("tp_grammar") / "target"), seed=4)
+    return path
+
+
+@pytest.mark.parametrize("spec_on", [False, True], ids=["plain", "self-tree"])
+def test_structured_output_tp2_equals_tp1(tokenizer_target, spec_on):
+    """Only rank 0 keeps grammar matchers (the other ranks take its tokens): constrained output under
+    tensor parallelism equals one process's, plain and speculative (tree masks on rank 0 alone)."""
+    import json
+
+    from tandem.bench.json_schemas import schemas
+
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tokenizer_target, **TREE,
+                speculative_adaptive="off") if spec_on else {}
+    batch = [[5 + i, 40 + i, 77] for i in range(6)]
+    docs = schemas(4, seed=5)
+    params = ([SamplingParams(max_new_tokens=200, temperature=0.0, json_schema=s) for s in docs]
+              + [SamplingParams(max_new_tokens=24, temperature=0.0, regex=r"[a-f]{3}-\d{2,5}"),
+                 SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)])
+    outs = []
+    for tp in (1, 2):
+        with Engine(tokenizer_target, tp_size=tp, **ENGINE, **spec) as engine:
+            outs.append(engine.generate(input_ids=batch, sampling_params=params))
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    for out in outs[1][:4]:
+        json.loads(out.text)
