@@ -148,6 +148,16 @@ def test_spec_of_and_compile_errors(compiler):
     assert compiler.compile(JSON_SPEC) is compiler.compile(JSON_SPEC)  # cached
 
 
+def test_the_grammar_cache_is_bounded():
+    small = GrammarCompiler(TOKENIZER, VOCAB, {EOS}, cache_size=3)
+    first = small.compile(GrammarSpec("regex", "a0"))
+    for i in range(1, 6):
+        small.compile(GrammarSpec("regex", f"a{i}"))
+        small.compile(GrammarSpec("regex", "a0"))  # kept: recently used
+    assert len(small._cache) == 3 and small.compile(GrammarSpec("regex", "a0")) is first
+    assert GrammarSpec("regex", "a1") not in small._cache
+
+
 # ---------------------------------------------------------------------------
 # The sampler's grammar stage
 

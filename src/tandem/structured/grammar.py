@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 # A JSON object, any keys: what `response_format: {"type": "json_object"}` asks for.
@@ -51,10 +52,11 @@ class GrammarError(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles GrammarSpecs for one tokenizer and caches the results by spec. Thread-safe (the server
+    """Compiles GrammarSpecs for one tokenizer and caches the results by spec, the `cache_size` most
+    recently used (a server fed ever new schemas must not grow without bound). Thread-safe (the server
     compiles off its event loop)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 512):
         import xgrammar
 
         self._xgr = xgrammar
@@ -64,14 +66,16 @@ class GrammarCompiler:
                                                        stop_token_ids=sorted(stop_token_ids) or None)
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
-        self._cache: dict[GrammarSpec, object] = {}
+        self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self.cache_size = cache_size
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec):
         with self._lock:
             hit = self._cache.get(spec)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
         try:
             if spec.kind == "json_schema":
                 compiled = self._compiler.compile_grammar(json_schema_ebnf(self._xgr, spec.source))
@@ -87,6 +91,8 @@ class GrammarCompiler:
             raise GrammarError(f"{spec.label}: cannot compile: {_first_line(e)}") from e
         with self._lock:
             self._cache[spec] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def matcher(self, spec: GrammarSpec):
