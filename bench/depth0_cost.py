@@ -24,17 +24,7 @@ from tandem import Engine  # noqa: E402
 from tandem.bench.presets import write_preset  # noqa: E402
 from tandem.layers.sampler import GREEDY  # noqa: E402
 from tandem.speculative.policy import DraftShape  # noqa: E402
-
-
-def replay_ms(graph, n: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+from tandem.speculative.worker import _replay_ms  # noqa: E402 (the start-up timing's own)
 
 
 def kernels(graph) -> dict[str, float]:
@@ -68,7 +58,7 @@ def main() -> None:
     plain_graph = plain.runner.decode_graphs[GREEDY]
     plain_kernels = {}
     for b in ns.batch_sizes:
-        rows[b]["plain_ms"] = replay_ms(plain_graph.graphs[b])
+        rows[b]["plain_ms"] = _replay_ms(plain_graph.graphs[b], 20)
         plain_kernels[b] = kernels(plain_graph.graphs[b])
     plain.shutdown()
     del plain
@@ -82,9 +72,9 @@ def main() -> None:
     report = []
     for b in ns.batch_sizes:
         r = rows[b]
-        r["depth0_ms"] = replay_ms(depth0.graphs[b])
-        r["chain3_ms"] = replay_ms(deepest.graphs[b])
-        r["catch_up_ms"] = replay_ms(catch_up.graphs[b])
+        r["depth0_ms"] = _replay_ms(depth0.graphs[b], 20)
+        r["chain3_ms"] = _replay_ms(deepest.graphs[b], 20)
+        r["catch_up_ms"] = _replay_ms(catch_up.graphs[b], 20)
         r["depth0_over_plain"] = r["depth0_ms"] / r["plain_ms"]
         k0, kp = kernels(depth0.graphs[b]), plain_kernels[b]
         extra = {name: us - kp.get(name, 0.0) for name, us in k0.items() if us - kp.get(name, 0.0) > 0.5}

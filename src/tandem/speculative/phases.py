@@ -104,9 +104,12 @@ class SpecPhases:
         return graph is not None and graph.fits(batch_size)
 
     def draft_half(self, shape: DraftShape, slots, page_rows) -> DraftTree:
-        tokens, parents, depths = self.graphs[f"draft:{shape.name}"](slots, page_rows)
-        max_depth = self.tree_max_depth if shape.tree else shape.depth
-        return DraftTree(tokens, parents, depths, max_depth=max_depth, chain=self.chain or not shape.tree)
+        return self._tree(shape, *self.graphs[f"draft:{shape.name}"](slots, page_rows))
+
+    def _tree(self, shape: DraftShape, tokens, parents, depths) -> DraftTree:
+        """A draft graph's output tensors as the DraftTree that shape's drafting returns."""
+        return DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth if shape.tree else shape.depth,
+                         chain=self.chain or not shape.tree)
 
     def verify_half(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, tree: DraftTree, coins,
                     use_coins, allowed):
@@ -238,9 +241,7 @@ class SpecPhases:
                     # A chain's depths are its node indices. The padded rows' inputs are not a chain (all
                     # depth 0): their accepted nodes would collide in the accepted path.
                     depths = torch.arange(n, device=tokens.device).expand(tokens.shape[0], n)
-                tree = DraftTree(tokens, parents, depths, max_depth=self.tree_max_depth if shape.tree else shape.depth,
-                                 chain=self.chain or not shape.tree)
-                return worker.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_width, features, shape,
+                return worker.verify_and_commit(slots, page_rows, self._tree(shape, tokens, parents, depths), coins, use_coins, kv_width, features, shape,
                                                 allowed.reshape(-1, vocab))
 
             self.graphs[_verify_commit_key(features, shape)] = GraphedFunction(

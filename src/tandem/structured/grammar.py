@@ -29,10 +29,6 @@ class GrammarSpec:
     kind: str
     source: str
 
-    @property
-    def label(self) -> str:
-        return self.kind
-
 
 def spec_of(params) -> GrammarSpec | None:
     """The grammar a SamplingParams asks for (it validated that at most one is set), or None."""
@@ -88,7 +84,7 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / its own errors with a readable message
-            raise GrammarError(f"{spec.label}: cannot compile: {_first_line(e)}") from e
+            raise GrammarError(f"{spec.kind}: cannot compile: {_first_line(e)}") from e
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self.cache_size:
