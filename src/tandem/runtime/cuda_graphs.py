@@ -76,6 +76,11 @@ class GraphedFunction:
             self.graphs[batch_size] = None
             self.static_in[batch_size] = static
             return
+        # The static inputs were filled on the current stream; the capture stream must see them filled.
+        # Without this wait the eager run below raced the fills and read whatever memory the caching
+        # allocator handed back (a freed engine's tensors): device-side index asserts at start-up, seen
+        # on an H200 only when an earlier engine in the same process had left garbage (2026-12-01).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         # One eager run first: lazy initialisation (cuBLAS handles, triton compiles) must not happen
         # inside the capture. Its writes land on the sink rows the pad values point at.
         with torch.cuda.stream(stream):
