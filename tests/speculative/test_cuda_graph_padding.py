@@ -6,7 +6,7 @@ for batches larger than the largest graph. Output must equal plain eager greedy 
 import pytest
 
 from tandem import Engine, SamplingParams
-from tandem.layers.sampler import GREEDY
+from tandem.layers.sampler import GENERAL, GREEDY
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
 
@@ -62,7 +62,13 @@ def test_plain_decode_graph(spec_models, reference, max_bs):
     with Engine(spec_models["target"], cuda_graph_max_bs=max_bs, **{**ENGINE, "max_running_requests": 12}) as engine:
         sizes = record_padded_sizes(engine.runner.decode_graphs[GREEDY])
         check(run(engine, 10), reference)
+        general = record_padded_sizes(engine.runner.decode_graphs[GENERAL])
+        with_logprobs = run(engine, 10, logprobs=2)  # the graph with every stage on (logprobs, penalties)
+        check(with_logprobs, reference)
     assert sizes, "the graph path never ran"
+    assert general, "the logprob steps never replayed the GENERAL graph"
+    with Engine(spec_models["target"], cuda_graph_max_bs=0, **{**ENGINE, "max_running_requests": 12}) as eager:
+        assert_logprobs_close(logprob_lists(with_logprobs), logprob_lists(run(eager, 10, logprobs=2)))
     if max_bs == 16:
         # Graphs up to max_running_requests (12): batches of 10 and 9 are padded to 12.
         assert 12 in sizes and set(sizes) <= set(range(1, 9)) | {12}
@@ -70,19 +76,46 @@ def test_plain_decode_graph(spec_models, reference, max_bs):
         assert set(sizes) <= {1, 2, 3, 4}  # larger batches ran eagerly
 
 
+def logprob_lists(outs):
+    return [[(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] for o in outs]
+
+
+def assert_logprobs_close(got, want, atol=2e-4):
+    """The same tokens and alternatives, values within atol (a padded batch's kernels round differently)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), f"request {i}: {len(g)} logprobs, want {len(w)}"
+        for j, ((tok, lp, top), (wtok, wlp, wtop)) in enumerate(zip(g, w)):
+            assert tok == wtok and abs(lp - wlp) <= atol, f"request {i}, token {j}: {tok} {lp} vs {wtok} {wlp}"
+            assert [t for t, _ in top] == [t for t, _ in wtop], f"request {i}, token {j}: alternatives differ"
+            assert all(abs(v - wv) <= atol for (_, v), (_, wv) in zip(top, wtop))
+
+
 @pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_speculative_graphs(spec_models, reference, kind, shape):
+    engine_args = dict(speculative_algorithm=kind, speculative_draft_model_path=spec_models[kind],
+                       speculative_adaptive="off", **shape, **{**ENGINE, "max_running_requests": 12})
+    with Engine(spec_models["target"], cuda_graph_max_bs=0, **engine_args) as eager:
+        eager_logprobs = logprob_lists(run(eager, 10, logprobs=2))
     # A fixed shape (adaptive off), so every greedy step takes the one whole-iteration graph checked below.
-    with Engine(spec_models["target"], speculative_algorithm=kind, speculative_draft_model_path=spec_models[kind],
-                cuda_graph_max_bs=16, speculative_adaptive="off", **shape,
-                **{**ENGINE, "max_running_requests": 12}) as engine:
+    with Engine(spec_models["target"], cuda_graph_max_bs=16, **engine_args) as engine:
         phases = engine.runner.spec.phases
         sizes = {name: record_padded_sizes(g) for name, g in phases.graphs.items()}
         check(run(engine, 10), reference)  # greedy: the whole-iteration graph
         iteration = f"iteration:greedy:{phases.configured.name}"
         assert 12 in sizes[iteration] and not sizes["verify"]  # 10 requests padded to 12
-        check(run(engine, 10, logprobs=1), reference)  # logprobs have no whole-iteration graph: the three phases
+        # Logprobs: the whole-iteration graph with every stage (GENERAL), the same values as eager steps.
+        general = f"iteration:{GENERAL.name}:{phases.configured.name}"
+        outs = run(engine, 10, logprobs=2)
+        check(outs, reference)
+        assert 12 in sizes[general] and not sizes["verify"]
+        assert_logprobs_close(logprob_lists(outs), eager_logprobs)
+        # Without that graph (what a constrained step with logprobs does): the three phase graphs.
+        del phases.graphs[general]
+        outs = run(engine, 10, logprobs=2)
+        check(outs, reference)
+        assert_logprobs_close(logprob_lists(outs), eager_logprobs)
     for name in ("draft_tree", "verify", "extend"):
         assert 12 in sizes[name], f"{name}: no padded replay"
 

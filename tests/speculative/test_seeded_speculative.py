@@ -10,6 +10,7 @@ of filters (top-p, top-k, min-p), penalties and a greedy row rides along in ever
 import pytest
 
 from tandem import Engine, SamplingParams
+from tandem.layers.sampler import GENERAL
 from tests.engine.helpers import instrument_preemptions
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.speculative.test_spec_greedy import PROMPTS
@@ -67,8 +68,8 @@ def test_seeded_equal_without_overlap_or_plan_stream(spec_models, plain_seeded, 
 
 
 def test_seeded_equal_through_emulated_cuda_graphs(spec_models, plain_seeded, monkeypatch):
-    """The whole-iteration graphs (greedy, sampled, sampled with top-k) and the phase graphs, on the
-    CPU: every batch below mixes kinds, and the single-kind batches take their own graphs."""
+    """The whole-iteration graphs (greedy, sampled, sampled with top-k, every stage for penalties) on
+    the CPU: the mixed batch takes the graph with every stage, the single-kind batches their own."""
     monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
     params = params_mix()
     from tests.speculative.test_cuda_graph_padding import record_padded_sizes
@@ -80,8 +81,10 @@ def test_seeded_equal_through_emulated_cuda_graphs(spec_models, plain_seeded, mo
             rows = list(range(kind, len(BATCH), 6))
             outs = engine.generate(input_ids=[BATCH[i] for i in rows], sampling_params=[params[i] for i in rows])
             check(outs, [plain_seeded[i] for i in rows], f"graphs, kind {kind}")
-    for name in ("iteration:greedy:chain3", "iteration:sampled:chain3", "iteration:sampled+top_k:chain3", "verify"):
+    general = f"iteration:{GENERAL.name}:chain3"
+    for name in ("iteration:greedy:chain3", "iteration:sampled:chain3", "iteration:sampled+top_k:chain3", general):
         assert sizes[name], f"the {name} graph never ran"
+    assert not sizes["verify"], "a step ran the phases eagerly"
 
 
 def test_seeded_equal_with_companions_and_preemption(spec_models, plain_seeded):

@@ -16,7 +16,15 @@ from tandem.distributed.parallel_state import TPGroup, kv_heads_layout
 from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
-from tandem.layers.sampler import GRAPHED_SAMPLING, GREEDY, SamplingFeatures, choose_tokens, token_logprobs
+from tandem.layers.sampler import (
+    GENERAL,
+    GRAPHED_SAMPLING,
+    GREEDY,
+    SamplingFeatures,
+    choose_tokens,
+    graph_features,
+    token_logprobs,
+)
 from tandem.models.hf_config import ModelArchConfig
 from tandem.models.llama import StepContext
 from tandem.models.draft_registry import build_draft_model
@@ -37,6 +45,7 @@ from tandem.speculative.state import SpecStatePool
 from tandem.speculative.worker import SpecWorker
 from tandem.scheduler.outputs import SchedulerOutput
 from tandem.structured.matchers import GrammarRows, allowed_on_device
+from tandem.runtime.uploads import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +130,8 @@ class ModelRunner:
         """Plain decoding: one graph of the target's decode step. Speculative decoding: the draft
         tree, verify forward and draft extend (speculative/phases.py). Prefill chunks stay eager."""
         sizes = capture_batch_sizes(min(self.config.cuda_graph_max_bs, self.config.scheduler.max_num_seqs))
+        # The graph of penalised and logprob steps (GENERAL) reads the penalty tables: they exist from now.
+        self.sampling.allocate_penalty_tables()
         if self.spec is None:
             max_pages = -(-max_model_len // self.page_size)
             self.decode_kv_width = max_pages * self.page_size
@@ -131,7 +142,7 @@ class ModelRunner:
                       GraphInput((), torch.long, self.plain_state.pad_slot),  # state row
                       GraphInput((), torch.long, 0),  # 1: the input token is the row's last sampled token
                       GraphInput((max_pages,), torch.long, self.sink_page)]
-            for features in GRAPHED_SAMPLING:
+            for features in GRAPHED_SAMPLING + (GENERAL,):
                 self.decode_graphs[features] = GraphedFunction(
                     f"target decode ({features.name})", functools.partial(self._decode_forward, features=features),
                     inputs, self.device)
@@ -149,7 +160,8 @@ class ModelRunner:
             self.spec.time_graphed_iterations()
 
     def _decode_forward(self, input_ids, positions, slots, from_device, page_rows, features: SamplingFeatures):
-        """One decode step of one-token rows, sampling included: (tokens [B], logits [B, V])."""
+        """One decode step of one-token rows, sampling included: (tokens [B], logits [B, V]), and with
+        logprobs (the chosen token's [B], the top-n values and ids [B, n])."""
         input_ids = torch.where(from_device.bool(), self.plain_state.last_token[slots], input_ids)
         metadata = decode_metadata(page_rows, positions, self.decode_kv_width, self.page_size,
                                    self.backend.derives_causal_mask)
@@ -158,6 +170,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         # The sampled token sits one past its input token: that position keys its noise.
         tokens = choose_tokens(logits, self.sampling.metadata(slots, positions + 1, features.penalties), features)
+        if features.logprobs is not None:
+            return tokens, logits, *token_logprobs(logits, tokens, features.logprobs)
         return tokens, logits
 
     def _graphable_decode(self, sched: SchedulerOutput) -> bool:
@@ -168,8 +182,9 @@ class ModelRunner:
 
     def _decode_graphed(self, sched: SchedulerOutput, positions: list[int], features: SamplingFeatures,
                         allowed: torch.Tensor | None = None):
-        """Tokens [B] and logits [B, V] of a batch of one-token rows from a captured graph, and the rows'
-        state slots [B] (on the device). Features without a graph of their own sample eagerly from
+        """Tokens [B], logits [B, V] and the logprob outputs (None, or the chosen token's, top values and
+        ids) of a batch of one-token rows from a captured graph, and the rows' state slots [B] (on the
+        device). Features without a graph (a grammar with penalties or logprobs) sample eagerly from
         the greedy graph's logits."""
         b = len(sched.chunks)
         if self._staging_in_use is not None:
@@ -188,15 +203,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging_in_use = torch.cuda.Event()
             self._staging_in_use.record()
-        graph = self.decode_graphs.get(features)
+        graph = self.decode_graphs.get(graph_features(features))
         slots = rows[:, 2]
         if graph is not None:
-            tokens, logits = graph(rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
-            return tokens, logits, slots
+            tokens, logits, *logprobs = graph(rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
+            return tokens, logits, (logprobs or None), slots
         _, logits = self.decode_graphs[GREEDY](rows[:, 0], rows[:, 1], slots, rows[:, 3], rows[:, 4:])
         meta = self.sampling.metadata(slots, rows[:, 1] + 1, features.penalties)
         meta.allowed = allowed
-        return choose_tokens(logits, meta, features), logits, slots
+        return choose_tokens(logits, meta, features), logits, None, slots
 
     def _draft_feature_size(self, draft) -> int | None:
         if draft.target_hidden == "final":
@@ -382,9 +397,10 @@ class ModelRunner:
                 self._advance(chunk, start)
                 positions.append(start)
             handle.request_ids = [c.request_id for c in sched.chunks]
-            token_ids, logits, slots = self._decode_graphed(sched, positions, features,
-                                                            self.grammar_masks(handle.request_ids))
+            token_ids, logits, logprobs, slots = self._decode_graphed(sched, positions, features,
+                                                                      self.grammar_masks(handle.request_ids))
         else:
+            logprobs = None
             batch = self.build_batch(sched)
             hidden = self.forward(batch)
             handle.prompt_logprob_rows = prompt_logprobs.rows_for(sched.chunks, batch.first_row)
@@ -405,8 +421,9 @@ class ModelRunner:
         self.sampling.add_outputs(slots, token_ids[:, None])
         outputs = {"token_ids": token_ids}
         if features.logprobs is not None:
-            outputs["logprob"], outputs["top_vals"], outputs["top_ids"] = token_logprobs(logits, token_ids,
-                                                                                         features.logprobs)
+            # The graph's (top 20: each request keeps its own count when collected), or computed here.
+            outputs["logprob"], outputs["top_vals"], outputs["top_ids"] = (
+                logprobs or token_logprobs(logits, token_ids, features.logprobs))
         if handle.prompt_logprob_rows is not None:
             outputs.update(prompt_outputs)
         self._copy_to_host(handle, outputs)
@@ -454,11 +471,11 @@ class ModelRunner:
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         metadata = self.backend.plan(batch.attention, self.device)
         ctx = StepContext(self.backend, metadata, self.kv_cache.k, self.kv_cache.v)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(batch.input_ids, self.device, torch.long)
         if batch.future_rows:  # input tokens sampled by the step in flight: still on the device
-            rows = torch.tensor(batch.future_rows, device=self.device)
-            input_ids[rows] = self.plain_state.last_token[torch.tensor(batch.future_slots, device=self.device)]
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+            rows = to_device(batch.future_rows, self.device, torch.long)
+            input_ids[rows] = self.plain_state.last_token[to_device(batch.future_slots, self.device, torch.long)]
+        positions = to_device(batch.positions, self.device, torch.long)
         hidden, _ = self.model(input_ids, positions, ctx)
         return hidden
 

@@ -13,6 +13,7 @@ import torch
 
 from tandem.layers.sampler import token_logprobs
 from tandem.request import TokenLogprob
+from tandem.runtime.uploads import to_device
 
 ROWS_PER_SLICE = 256  # logits of this many rows at a time: [256, vocab] float32, not [prompt, vocab]
 
@@ -45,8 +46,8 @@ def compute(model, hidden: torch.Tensor, rows: PromptLogprobRows) -> dict[str, t
     """Device tensors of the chosen logprob [R] and the top-n [R, n] (n the most any row asked)."""
     top_n = max(n for _, _, n in rows.owners)
     device = hidden.device
-    index = torch.tensor(rows.rows, dtype=torch.long).to(device, non_blocking=True)
-    targets = torch.tensor(rows.targets, dtype=torch.long).to(device, non_blocking=True)
+    index = to_device(rows.rows, device, torch.long)
+    targets = to_device(rows.targets, device, torch.long)
     parts = []
     for i in range(0, len(rows.rows), ROWS_PER_SLICE):
         logits = model.compute_logits(hidden[index[i:i + ROWS_PER_SLICE]])

@@ -5,8 +5,10 @@ read by every step through `metadata(rows, positions)`: a few gathers on the dev
 step on the host, so a step's sampling inputs need no host value and fit in a CUDA graph.
 
 Penalties need each request's output-token counts and the set of its prompt tokens ([rows, vocab] each).
-They are allocated when the first penalised request arrives and from then on updated on the device by
-the tokens every step produces (`add_outputs`), so a penalised request never waits for the host.
+They are allocated when the first penalised request arrives, or at start-up when CUDA graphs are
+captured (the graph of penalised steps reads them: 10 bytes per row and vocabulary entry, 92 MB for a
+128k vocabulary and 72 rows), and from then on updated on the device by the tokens every step produces
+(`add_outputs`), so a penalised request never waits for the host.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class SamplingState:
         if chunk.start_pos == 0:
             self.admitted_len[row] = chunk.request_len
             self.admit(row, chunk.sampling_params, chunk.seed, chunk.num_prompt_tokens, chunk.suppress_ids)
-        if self.output_counts is not None:
+        # Only a penalised row reads its counts and prompt set (a neutral row's weights ignore them).
+        if self.output_counts is not None and chunk.sampling_params.needs_penalties:
             self.record_known_tokens(row, chunk.token_ids, chunk.start_pos, chunk.num_prompt_tokens,
                                      self.admitted_len[row])
 
@@ -62,12 +65,8 @@ class SamplingState:
                       frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
         for name in _FIELDS:
             getattr(self, name)[row] = values[name]
-        if params.needs_penalties and self.output_counts is None:
-            rows = self.temperature.shape[0]
-            self.output_counts = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
-            self.prompt_mask = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
-            self.logit_bias = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
-            self.suppress = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
+        if params.needs_penalties:
+            self.allocate_penalty_tables()
         self.min_tokens[row] = params.min_tokens
         self.num_prompt[row] = num_prompt
         if self.output_counts is not None:
@@ -80,6 +79,15 @@ class SamplingState:
                 self.logit_bias[row, self._upload(ids)] = self._upload(
                     [float(params.logit_bias[t]) for t in ids], torch.float32)
             self._add(self.suppress, row, [t for t in suppress_ids if t < self.vocab])
+
+    def allocate_penalty_tables(self) -> None:
+        if self.output_counts is not None:
+            return
+        rows = self.temperature.shape[0]
+        self.output_counts = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+        self.prompt_mask = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
+        self.logit_bias = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+        self.suppress = torch.zeros(rows, self.vocab, dtype=torch.bool, device=self.device)
 
     def record_known_tokens(self, row: int, token_ids, start_pos: int, num_prompt: int, admitted_len: int) -> None:
         """Penalty state for a chunk of known tokens at [start_pos, ...): prompt tokens into the prompt set,
@@ -108,12 +116,11 @@ class SamplingState:
         """Counts produced tokens on the device. rows: [B]; tokens: [B, Q] with -1 where no token."""
         if self.output_counts is None:
             return
-        vocab = self.vocab
         valid = tokens >= 0
-        cols = torch.where(valid, tokens, vocab)  # invalid entries go to a spare column, dropped below
-        delta = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
-        delta.scatter_add_(1, cols, valid.float())
-        self.output_counts.index_add_(0, rows, delta[:, :vocab])
+        # One accumulate per token (no [B, V] delta: every graphed step runs this once the tables exist);
+        # an invalid entry adds 0 to column 0.
+        flat = rows[:, None] * self.vocab + tokens.clamp(min=0)
+        self.output_counts.view(-1).index_add_(0, flat.reshape(-1), valid.float().reshape(-1))
 
     def metadata(self, rows: torch.Tensor, positions: torch.Tensor, penalties: bool = False,
                  extra_counts: torch.Tensor | None = None) -> SamplingMetadata:

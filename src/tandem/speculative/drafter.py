@@ -20,6 +20,7 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.models.draft_base import DraftModel
 from tandem.models.llama import StepContext
+from tandem.runtime.uploads import to_device
 from tandem.speculative import catch_up, plan
 from tandem.speculative.state import SpecStatePool
 from tandem.speculative.tree import DraftTree, TreeBuilder, chain_tree
@@ -87,21 +88,21 @@ class Drafter:
             slots += seq[start:]
             query_lens.append(len(f.token_ids))
             kv_slots.append(seq)
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids_t = to_device(input_ids, self.device, torch.long)
         if placeholder_rows:  # the sampled token stays on the device: no host round trip
-            ids_t[torch.tensor(placeholder_rows, device=self.device)] = sampled[
-                torch.tensor(placeholder_src, device=self.device)]
-        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+            ids_t[to_device(placeholder_rows, self.device, torch.long)] = sampled[
+                to_device(placeholder_src, self.device, torch.long)]
+        pos_t = to_device(positions, self.device, torch.long)
         ctx = self._ctx(self.backend.plan(AttentionBatch(query_lens, kv_slots, slots), self.device))
         features = torch.cat([feeds[i].features for i in feeds_idx]) if self.model.target_hidden else None
         out = self.model(ids_t, pos_t, features, ctx, hidden_is_target=True)
         ends = torch.tensor(query_lens).cumsum(0) - 1
         entries = torch.tensor([feeds[i].first_token_index - offset + len(feeds[i].token_ids) for i in feeds_idx])
         slot_t = torch.tensor([feeds[i].slot for i in feeds_idx])
-        self.pool.draft_entries[slot_t.to(self.device)] = entries.to(self.device)
+        self.pool.draft_entries[to_device(slot_t, self.device)] = to_device(entries, self.device)
         final = [j for j, i in enumerate(feeds_idx) if feeds[i].final]
         if final:
-            self._store_next(slot_t[final].to(self.device), out[ends[final].to(self.device)])
+            self._store_next(to_device(slot_t[final], self.device), out[to_device(ends[final], self.device)])
 
     # ---- decode: tree drafting and extend from device state --------------------------------
     def draft_tree(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int,

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from tandem.layers.sampler import GRAPHED_CONSTRAINED, GRAPHED_SAMPLING, SamplingFeatures
+from tandem.layers.sampler import GENERAL, GRAPHED_CONSTRAINED, GRAPHED_SAMPLING, SamplingFeatures
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.speculative import plan
@@ -92,7 +92,8 @@ class SpecPhases:
 
     def iteration(self, features: SamplingFeatures, shape: DraftShape, slots, page_rows, coins, use_coins,
                   allowed=None):
-        """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens).
+        """The whole iteration (SpecWorker.decode_iteration) replayed: (accept_lens, out_tokens), and
+        with logprobs (GENERAL) the produced tokens' (chosen [B, Q], top values and ids [B, Q, 20]).
         allowed: [B, V] bool, the root's grammar mask (constrained depth-0 graphs only)."""
         args = (slots, page_rows, coins, use_coins) + ((allowed,) if features.constrained else ())
         return self.graphs[_iteration_key(features, shape)](*args)
@@ -158,8 +159,9 @@ class SpecPhases:
     # ---- capture -----------------------------------------------------------------------------
     def build_graphs(self, worker, kv_width: int, feature_size: int | None, shapes) -> list[GraphedFunction]:
         """Declares the graphs (captured by the caller with the runner's other graphs): the three
-        phases of the configured shape, for steps that run them eagerly between (penalties, logprobs),
-        and the whole iteration for every sampling kind and every draft shape the policy can choose."""
+        phases of the configured shape, for steps that run them eagerly between (a grammar with
+        penalties, logprobs or top-k, larger batches than the whole iteration's graphs), and the whole
+        iteration for every sampling kind and every draft shape the policy can choose."""
         runner, drafter = self.runner, self.drafter
         pool = drafter.pool
         self.graph_kv_width = kv_width
@@ -205,7 +207,7 @@ class SpecPhases:
         for shape in shapes:
             # A constrained step that drafts needs the host between draft and verify (tree masks); one
             # that does not (depth 0) has its single mask before launch and replays a graph too.
-            kinds = GRAPHED_SAMPLING + (GRAPHED_CONSTRAINED if not shape.drafts else ())
+            kinds = GRAPHED_SAMPLING + (GENERAL,) + (GRAPHED_CONSTRAINED if not shape.drafts else ())
             for features in kinds:
                 def iteration(slots, page_rows, coins, use_coins, allowed=None, features=features, shape=shape):
                     return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features, shape,

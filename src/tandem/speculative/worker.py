@@ -15,13 +15,14 @@ The verify plan depends only on seq_lens and the page table, and the extend plan
 too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
 engine can schedule the next step while this one runs.
 
-With CUDA graphs, a step whose verify rows need no penalties and no logprobs (greedy, sampled, or
-sampled with top-k) replays the whole iteration as one graph on the main stream (`decode_iteration`,
-one per sampling kind and draft shape): the graph builds the plans itself, so the plan stream has
-nothing left to overlap (measured: with graphs it neither helped nor hurt, docs/performance.md).
-Steps with penalties or logprobs keep the choreography above, with the three phases graphed
-separately. A step that drafts after depth-0 steps first runs the draft over their deferred tokens
-(speculative/catch_up.py).
+With CUDA graphs, a step replays the whole iteration as one graph on the main stream
+(`decode_iteration`, one per sampling kind and draft shape: greedy, sampled, sampled with top-k, and
+GENERAL for penalties, logit bias, min_tokens and logprobs): the graph builds the plans itself, so the
+plan stream has nothing left to overlap (measured: with graphs it neither helped nor hurt,
+docs/performance.md). A constrained step that drafts replays two graphs with the host's tree masks
+between; constrained steps with penalties, logprobs or top-k keep the choreography above, with the
+three phases graphed separately. A step that drafts after depth-0 steps first runs the draft over
+their deferred tokens (speculative/catch_up.py).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
-from tandem.layers.sampler import GRAPHED_SAMPLING, SamplingFeatures, choose_tokens, token_logprobs
+from tandem.layers.sampler import SamplingFeatures, choose_tokens, graph_features, token_logprobs
 from tandem.models.llama import StepContext
 from tandem.runtime import prompt_logprobs
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
+from tandem.runtime.uploads import to_device
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.speculative import catch_up, plan
 from tandem.speculative.drafter import Drafter, PrefillFeed
@@ -210,9 +212,10 @@ class SpecWorker:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
             handle.catch_up_ms = self.catch_up_ms.get(handle.padded_batch, 0.0)
-        if self.phases.iteration_graphed(b, features, shape) or (
+        graphed = graph_features(features)
+        if self.phases.iteration_graphed(b, graphed, shape) or (
                 features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
-            self._launch_verify_graphed(b, features, shape, handle, outputs, needs_catch_up)
+            self._launch_verify_graphed(b, graphed, shape, handle, outputs, needs_catch_up)
             return
 
         # Plan stream: upload, then the verify plan.
@@ -402,8 +405,10 @@ class SpecWorker:
             accept_lens, out_tokens = self.phases.verify_half(features, shape, slots, page_rows, tree, coins, use_coins,
                                                               allowed)
         else:
-            accept_lens, out_tokens = self.phases.iteration(features, shape, slots, page_rows, coins, use_coins,
-                                                            allowed)
+            accept_lens, out_tokens, *logprobs = self.phases.iteration(features, shape, slots, page_rows, coins,
+                                                                       use_coins, allowed)
+            if logprobs:
+                outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = logprobs
         handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
@@ -431,7 +436,8 @@ class SpecWorker:
     def verify_and_commit(self, slots, page_rows, tree: DraftTree, coins, use_coins, kv_bound: int,
                           features: SamplingFeatures, shape: DraftShape, allowed=None):
         """The second half of `decode_iteration`: verify, accept and commit, draft extend (or its deferral).
-        allowed: [B * N, V] bool, each node's grammar mask, or None."""
+        (accept_lens, out_tokens), and with features.logprobs the produced tokens' logprobs (chosen,
+        top values, top ids). allowed: [B * N, V] bool, each node's grammar mask, or None."""
         pool, drafter = self.pool, self.drafter
         n, ps = self.phases.num_nodes(shape), self.runner.page_size
         seq_lens = pool.seq_lens[slots]
@@ -440,17 +446,22 @@ class SpecWorker:
                                                           vplan.node_slots, vplan.node_cols, vplan.kv_slots,
                                                           vplan.prefix_mask, chain=tree.chain)
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins), allowed)
+        results = (accept.accept_lens, accept.out_tokens)
+        if features.logprobs is not None:
+            lp = {}
+            self._verify_logprobs(logits, accept, features.logprobs, lp)
+            results += (lp["verify_logprob"], lp["verify_top_v"], lp["verify_top_i"])
         if not shape.drafts:
             catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0],
                                   self._feature(hidden.reshape(-1, hidden.shape[-1]),
                                                 [a.reshape(-1, a.shape[-1]) for a in aux]))
-            return accept.accept_lens, accept.out_tokens
+            return results
         first_pos = seq_lens + 1 - drafter.model.token_offset
         ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
         features_in = self._accepted_features(hidden.reshape(-1, hidden.shape[-1]),
                                               [a.reshape(-1, a.shape[-1]) for a in aux], accept)
         drafter.extend(slots, ext_meta, accept.out_tokens, features_in, accept.accept_lens, first_pos)
-        return accept.accept_lens, accept.out_tokens
+        return results
 
     def _feature(self, hidden, aux):
         kind = self.drafter.model.target_hidden
@@ -506,9 +517,9 @@ class SpecWorker:
         sampled = None
         if sampling:
             device = hidden.device
-            idx = torch.tensor([first_row[c.request_id] + len(c.token_ids) - 1 for c in sampling], device=device)
-            slots = torch.tensor([pool.slot(c.request_id) for c in sampling], device=device)
-            end_pos = torch.tensor([c.end_pos for c in sampling], device=device)
+            idx = to_device([first_row[c.request_id] + len(c.token_ids) - 1 for c in sampling], device, torch.long)
+            slots = to_device([pool.slot(c.request_id) for c in sampling], device, torch.long)
+            end_pos = to_device([c.end_pos for c in sampling], device, torch.long)
             features = SamplingFeatures.of([c.sampling_params for c in sampling])
             logits = runner.model.compute_logits(hidden[idx])
             # The sampled token's position is the chunk's end: the same noise plain decoding would use.
@@ -556,8 +567,8 @@ class SpecWorker:
             kv_slots.append(seq)
         metadata = runner.backend.plan(AttentionBatch(query_lens, kv_slots, slots), runner.device)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(runner.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(runner.device, non_blocking=True)
+        ids_t = to_device(input_ids, runner.device, torch.long)
+        pos_t = to_device(positions, runner.device, torch.long)
         hidden, aux = runner.model(ids_t, pos_t, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
         return hidden, aux, first_row
 

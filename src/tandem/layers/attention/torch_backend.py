@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from tandem.layers.attention.base import AttentionBackend, AttentionBatch
+from tandem.runtime.uploads import to_device
 
 
 @dataclass
@@ -54,11 +55,11 @@ class TorchAttentionBackend(AttentionBackend):
                 mask[r, 0, :q_len, :kv_len] = torch.arange(kv_len).unsqueeze(0) <= q_at
             offset += q_len
         return TorchAttentionMetadata(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long).to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=mask.to(device),
+            slot_mapping=to_device(batch.slot_mapping, device, torch.long),
+            query_index=to_device(query_index, device),
+            query_valid=to_device(query_valid, device),
+            kv_slots=to_device(kv_slots, device),
+            mask=to_device(mask, device),
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,

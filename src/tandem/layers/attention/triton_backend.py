@@ -21,6 +21,7 @@ import triton
 from tandem.layers.attention.base import AttentionBackend, AttentionBatch
 from tandem.layers.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from tandem.layers.attention.triton_kernels import attention_kernel, merge_splits_kernel, store_kv_kernel
+from tandem.runtime.uploads import to_device
 
 LOG2E = 1.4426950408889634
 
@@ -166,7 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch, device: torch.device) -> TritonAttentionMetadata:
         q_lens = torch.tensor(batch.query_lens, dtype=torch.int32)
         kv_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-        lengths = dict(q_lens=q_lens.to(device), kv_lens=kv_lens.to(device))
+        lengths = dict(q_lens=to_device(q_lens, device), kv_lens=to_device(kv_lens, device))
         if batch.custom_masks is not None and any(m is not None for m in batch.custom_masks):
             base = self._reference.plan(batch, device)
             return TritonAttentionMetadata(base.slot_mapping, base.query_index, base.query_valid, base.kv_slots,
@@ -180,9 +181,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_slots = torch.zeros(kv_valid.shape, dtype=torch.long)
         kv_slots[kv_valid] = torch.tensor([s for row in batch.kv_slots for s in row], dtype=torch.long)
         return TritonAttentionMetadata(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long).to(device),
-            query_index=query_index.to(device), query_valid=query_valid.to(device),
-            kv_slots=kv_slots.to(device), mask=None, **lengths, causal=True,
+            slot_mapping=to_device(batch.slot_mapping, device, torch.long),
+            query_index=to_device(query_index, device), query_valid=to_device(query_valid, device),
+            kv_slots=to_device(kv_slots, device), mask=None, **lengths, causal=True,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
