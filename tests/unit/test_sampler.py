@@ -871,3 +871,26 @@ def test_logprobs_top_n_is_clamped_to_the_vocabulary():
     ref = torch.log_softmax(logits.double(), dim=-1)
     torch.testing.assert_close(chosen.double(), ref[[0, 1], [2, 0]], rtol=0, atol=1e-6)
     assert sorted(top_i[0].tolist()) == [0, 1, 2]
+
+
+def test_unfiltered_and_min_p_rows_draw_as_the_sorted_threshold_does():
+    """On a CPU a batch without top-k or top-p skips the sort (min-p needs only the maximum): the same
+    tokens as the race over the sorted threshold, which the tests above check against references.
+    Masked (-inf) entries, greedy rows and a min-p of 1 ride along."""
+    from tandem.layers.sampler import SAMPLED, inverse_temperature
+
+    gen = torch.Generator().manual_seed(9)
+    vocab, batch = 64, 240
+    logits = torch.cat([distinct_logits(batch // 2, vocab, gen), tied_logits(batch // 2, vocab, gen)])
+    logits[torch.rand(batch, vocab, generator=gen) < 0.2] = float("-inf")
+    logits[:, 0] = 0.0  # every row keeps a finite token
+    rng = random.Random(9)
+    params = [P(temperature=rng.choice([0.0, 0.7, 1.0, 1.5]), min_p=rng.choice([0.0, 0.0, 0.05, 0.3, 1.0]), seed=i)
+              for i in range(batch)]
+    meta = metadata(params, positions=[rng.randrange(1000) for _ in range(batch)])
+    inv_t = inverse_temperature(meta)
+    want = gumbel_race_reference(logits, inv_t, filter_threshold(logits * inv_t[:, None], meta), meta.seed,
+                                 meta.position, (meta.temperature > 0).float())
+    got = choose_tokens(logits, meta, SAMPLED)
+    assert torch.equal(got, want)
+    assert bool((meta.min_p > 0).any()) and bool((meta.min_p == 0).any())

@@ -80,13 +80,25 @@ class SamplingFeatures:
 GREEDY = SamplingFeatures()
 SAMPLED = SamplingFeatures(sampled=True)
 SAMPLED_TOP_K = SamplingFeatures(sampled=True, top_k=True)
-# The combinations captured as CUDA graphs (greedy; sampling with temperature, top-p and min-p, the
-# server's defaults among them; and with top-k too); steps with penalties or logprobs run the same code
-# eagerly.
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit; SamplingParams checks it)
+# Every stage on: penalties, logit bias, min_tokens and the top-20 logprobs. It serves any batch that
+# needs one of those, exactly: a row with neutral weights keeps every logit (x / 1, x - 0 * c, x + 0),
+# a greedy row still takes the argmax, and a row that asked for fewer logprobs takes the first of 20.
+GENERAL = SamplingFeatures(sampled=True, top_k=True, penalties=True, logprobs=MAX_LOGPROBS)
+# The combinations captured as CUDA graphs: greedy; sampling with temperature, top-p and min-p (the
+# server's defaults among them); with top-k too (it sorts); and GENERAL, when the penalty tables exist.
 GRAPHED_SAMPLING = (GREEDY, SAMPLED, SAMPLED_TOP_K)
 # Speculation's depth-0 steps under a grammar also replay whole-iteration graphs (their one mask, the
 # root's, is known before launch; speculative/phases.py).
 GRAPHED_CONSTRAINED = tuple(replace(f, constrained=True) for f in GRAPHED_SAMPLING)
+
+
+def graph_features(features: SamplingFeatures) -> SamplingFeatures:
+    """The captured combination that runs a batch of these features: itself, or GENERAL for a batch
+    with penalties or logprobs (constrained ones keep their own, and run eagerly with those stages)."""
+    if features.constrained or (not features.penalties and features.logprobs is None):
+        return features
+    return GENERAL
 
 
 @dataclass
@@ -273,7 +285,15 @@ def sample_reference(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     """The draw written out in torch: the kept tokens by sorting (`filter_threshold`), then the race with
     the position-keyed noise (none for greedy rows, which take the argmax). logits: penalized, float32."""
     inv_t = inverse_temperature(meta)
-    threshold = filter_threshold(logits * inv_t[:, None], meta)
+    scaled = logits * inv_t[:, None]
+    if logits.is_cuda or bool(((meta.top_k > 0) | (meta.top_p < 1.0)).any()):
+        threshold = filter_threshold(scaled, meta)
+    else:
+        # No row keeps a top-k or top-p set, so nothing needs the sort (on a CPU it was a fifth of a
+        # sampled demo-pair step, and a verify step sorts every tree node): min-p alone, or no cut.
+        # (A host read: this branch runs only off the GPU, where no graph is being captured.)
+        neg_inf = torch.full_like(meta.min_p, float("-inf"))
+        threshold = torch.where(meta.min_p > 0, scaled.amax(dim=-1) + torch.log(meta.min_p), neg_inf)
     noise_scale = (meta.temperature > 0).float()
     return gumbel_race_reference(logits, inv_t, threshold, meta.seed, meta.position, noise_scale)
 
