@@ -19,15 +19,16 @@ ZEROS_RUN = CATCH_UP_WINDOW + 3  # longer than the lag buffer: forces catch-ups 
 
 
 class ScriptedPolicy(DepthPolicy):
-    """Depth 0 for ZEROS_RUN steps, then the deepest option once, and again."""
+    """Depth 0 for `zeros_run` steps, then the deepest option once, and again."""
 
-    def __init__(self, base: DepthPolicy):
+    def __init__(self, base: DepthPolicy, zeros_run: int = ZEROS_RUN):
         super().__init__(base.num_steps, tree=base.deepest.tree)
         self.turn = 0
+        self.zeros_run = zeros_run
 
     def choose(self, request_ids, padded_batch, constrained=False):
         self.turn += 1
-        return self.deepest if self.turn % (ZEROS_RUN + 1) == 0 else self.options[0]
+        return self.deepest if self.turn % (self.zeros_run + 1) == 0 else self.options[0]
 
 
 def reference_catch_up(drafter: Drafter, slots, page_rows, kv_bound: int) -> None:
@@ -113,7 +114,7 @@ def test_target_as_its_own_draft_accepts_everything_after_a_catch_up(spec_models
     propose tokens the target rejects; replayed rightly, every step that drafts accepts all it drafted."""
     with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
                 **CHAIN, **ENGINE) as e:
-        e.runner.spec.policy = ScriptedPolicy(e.runner.spec.policy)
+        e.runner.spec.policy = ScriptedPolicy(e.runner.spec.policy, zeros_run=5)  # a catch-up before each draft
         params = SamplingParams(max_new_tokens=3 * NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outs = e.generate(input_ids=PROMPTS[:4], sampling_params=params)
     for out, want in zip(outs, reference):

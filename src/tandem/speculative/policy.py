@@ -32,6 +32,27 @@ logger = logging.getLogger(__name__)
 TRUSTED_OBSERVATIONS = 10
 
 
+@dataclass
+class _RequestRates:
+    """One request's acceptance: its a_1..a_D, the observations behind each, its drafting steps, and
+    its expected tokens at depth 0..D (None once a new observation made them stale)."""
+
+    rates: list[float]
+    seen: list[int]
+    drafting_steps: int = 0
+    expected: list[float] | None = None
+
+
+def expected_by_depth(rates: list[float]) -> list[float]:
+    """[1, 1 + a_1, 1 + a_1 + a_1 a_2, ...]: the expected tokens of one step at depth 0..D."""
+    out, run, tokens = [1.0], 1.0, 1.0
+    for a in rates:
+        run *= a
+        tokens += run
+        out.append(tokens)
+    return out
+
+
 @dataclass(frozen=True)
 class DraftShape:
     """What one step drafts: a chain of `depth` tokens, or the configured tree."""
@@ -52,7 +73,7 @@ class DraftShape:
 
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
-                 probe_every: int = 32, probe_budget: float = 0.01, prior: float = 0.6, prior_weight: float = 2.0,
+                 probe_every: int = 32, probe_budget: float = 0.01, prior: float = 0.6, prior_weight: float = 1.0,
                  hysteresis: float = 0.03):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
         request's own acceptance replaces the engine's; probe_every, probe_budget: while a shorter option
@@ -73,8 +94,7 @@ class DepthPolicy:
         self.hysteresis = hysteresis
         self.prior = prior
         self.reset_acceptance()
-        # request id -> (its a_1..a_D, its observations of each position, its drafting steps)
-        self._requests: dict[str, tuple[list[float], list[int], int]] = {}
+        self._requests: dict[str, _RequestRates] = {}
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
         self._time_seen: dict[tuple[int, DraftShape], int] = {}  # observations behind each cost
         self._last_choice: dict[int, DraftShape] = {}
@@ -84,6 +104,7 @@ class DepthPolicy:
         """Back to the prior, as at start-up (the cost table stays)."""
         self.acceptance = [self.prior] * self.num_steps  # engine-wide a_1..a_D
         self._seen = [0] * self.num_steps  # observations of each position
+        self._engine_expected: list[float] | None = None  # expected_by_depth(acceptance), None when stale
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
         self._tree_seen = 0
 
@@ -102,15 +123,23 @@ class DepthPolicy:
         # A request's own rates start from the engine's, worth prior_weight observations, and are then
         # weighted as the engine's are (a slow moving average from the start kept the prior for
         # dozens of steps, and a request that never accepted a draft kept drafting).
-        own, own_seen, count = self._requests.get(request_id) or (list(self.acceptance), [0] * self.num_steps, 0)
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._requests[request_id] = _RequestRates(list(self.acceptance), [0] * self.num_steps)
+        if shape.depth == 0:
+            return  # nothing drafted, nothing observed
+        own, own_seen, engine, seen = req.rates, req.seen, self.acceptance, self._seen
+        decay, offset = self.decay, 1 + self.prior_weight  # (_weight, inlined: this runs per request per step)
         # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
-        for j in range(1, min(accept_len, shape.depth) + 1):
-            hit = 1.0 if j < accept_len else 0.0
-            self.acceptance[j - 1] += self._weight(self._seen[j - 1]) * (hit - self.acceptance[j - 1])
-            self._seen[j - 1] += 1
-            own[j - 1] += self._weight(own_seen[j - 1]) * (hit - own[j - 1])
-            own_seen[j - 1] += 1
-        self._requests[request_id] = (own, own_seen, count + (shape.depth > 0))
+        for j in range(min(accept_len, shape.depth)):
+            hit = 1.0 if j + 1 < accept_len else 0.0
+            engine[j] += max(decay, 1.0 / (seen[j] + offset)) * (hit - engine[j])
+            seen[j] += 1
+            own[j] += max(decay, 1.0 / (own_seen[j] + offset)) * (hit - own[j])
+            own_seen[j] += 1
+        req.drafting_steps += 1
+        req.expected = None
+        self._engine_expected = None
 
     def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None,
                      constrained: bool = False) -> None:
@@ -134,20 +163,23 @@ class DepthPolicy:
             self._requests.pop(rid, None)
 
     # ---- the choice ------------------------------------------------------------------------------------
+    def _expected_of(self, request_id) -> list[float]:
+        """A request's expected tokens at depth 0..D: its own rates once it has drafted min_request_obs
+        steps, the engine's before (cached until the next observation)."""
+        req = self._requests.get(request_id)
+        if req is None or req.drafting_steps < self.min_request_obs:
+            if self._engine_expected is None:
+                self._engine_expected = expected_by_depth(self.acceptance)
+            return self._engine_expected
+        if req.expected is None:
+            req.expected = expected_by_depth(req.rates)
+        return req.expected
+
     def expected_tokens(self, request_ids, shape: DraftShape) -> float:
         """Sum over the batch of each request's expected tokens from one step of `shape`."""
         if shape.tree:
             return self.tree_tokens * len(request_ids)
-        total = 0.0
-        for rid in request_ids:
-            own, _, count = self._requests.get(rid) or (None, None, 0)
-            rates = own if count >= self.min_request_obs else self.acceptance
-            run, tokens = 1.0, 1.0
-            for j in range(shape.depth):
-                run *= rates[j]
-                tokens += run
-            total += tokens
-        return total
+        return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
     def choose(self, request_ids, padded_batch: int, constrained: bool = False) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
@@ -158,8 +190,15 @@ class DepthPolicy:
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
+        # The batch's expected tokens at every chain depth in one pass, from cached per-request sums
+        # (this runs on the host every step; a loop over requests per option took 47 us at batch 32
+        # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
+        chain_tokens = [sum(column) for column in zip(*(self._expected_of(rid) for rid in request_ids))]
+        tree_tokens = self.tree_tokens * len(request_ids)
+
         def rate(shape):
-            return self.expected_tokens(request_ids, shape) / self.cost_ms[(padded_batch, shape)]
+            tokens = tree_tokens if shape.tree else chain_tokens[shape.depth]
+            return tokens / self.cost_ms[(padded_batch, shape)]
 
         best = max(self.options, key=rate)
         last = self._last_choice.get(padded_batch)
