@@ -7,8 +7,9 @@ python bench/sampling_bench.py --out bench/results/sampling_h200.json [--shapes 
 For each shape it builds three engines: speculative at a fixed depth (EAGLE-3 chain of 3, CUDA graphs,
 overlap; --speculative-adaptive off), speculative with adaptive depth (the default), and plain. It times
 engine steps once every request of the batch has its first token ("iteration_ms",
-tandem.bench.measure.run_batch) for three kinds of request: greedy, temperature 1.0, and temperature 1.0
-with top-p 0.9, each the median of --repeats runs. Sampled / greedy iteration ratios are taken at the fixed
+tandem.bench.measure.run_batch) for four kinds of request: greedy, temperature 1.0, temperature 1.0
+with top-p 0.9, and temperature 1.0 with a repetition penalty and 5 logprobs (every sampling stage), each
+the median of --repeats runs. Sampled / greedy iteration ratios are taken at the fixed
 depth (the same work per step); tokens per second against plain for both speculative engines. "demo" is
 the bundled pair with its real acceptance; "llama-3.1-8b" is random weights in that shape (bf16), whose
 acceptance is about 1, so it measures the per-iteration cost of sampling, not speculation's gains.
@@ -30,7 +31,9 @@ from tandem.bench.measure import median_of_runs, random_prompts, run_batch  # no
 from tandem.bench.presets import write_preset  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
 
-MODES = {"greedy": (0.0, 1.0), "t1": (1.0, 1.0), "t1_top_p0.9": (1.0, 0.9)}
+MODES = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1_top_p0.9": dict(temperature=1.0, top_p=0.9),
+         # Every stage on (the GENERAL graph): a repetition penalty and 5 logprobs per token.
+         "t1_penalty_logprobs": dict(temperature=1.0, repetition_penalty=1.1, logprobs=5)}
 
 
 def engine_kwargs(shape: str, root: str, max_bs: int, context: int) -> dict:
@@ -56,9 +59,9 @@ def measure(kw: dict, mode: str, sizes, input_len: int, output_len: int, repeats
     try:
         for b in sizes:
             prompts = random_prompts(b, input_len, vocab, seed=0)
-            for sampling, (temperature, top_p) in MODES.items():
-                run_batch(engine, prompts[:b], 8, temperature, top_p)  # warm-up at this shape
-                runs = [run_batch(engine, prompts, output_len, temperature, top_p)[0] for _ in range(repeats)]
+            for sampling, params in MODES.items():
+                run_batch(engine, prompts[:b], 8, **params)  # warm-up at this shape
+                runs = [run_batch(engine, prompts, output_len, **params)[0] for _ in range(repeats)]
                 rows[f"{sampling}@{b}"] = row = median_of_runs(runs)
                 print(f"  {mode} batch {b} {sampling}: {row['iteration_ms']:.3f} ms/iteration "
                       f"(median of {repeats}), tau {row['mean_accept_length']}", flush=True)
@@ -81,7 +84,7 @@ def main() -> None:
     result = {"tool": "bench/sampling_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": ["python", *sys.argv], "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "modes": {m: {"temperature": t, "top_p": p} for m, (t, p) in MODES.items()}, "shapes": {}}
+              "modes": MODES, "shapes": {}}
     with tempfile.TemporaryDirectory() as root:
         for shape in ns.shapes:
             kw = engine_kwargs(shape, root, max(ns.batch_sizes), ns.input_len + ns.output_len + 16)

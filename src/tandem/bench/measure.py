@@ -58,11 +58,12 @@ def rounded(v):
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: float = 0.0, top_p: float = 1.0,
-              json_schema: dict | None = None) -> tuple[RunMetrics, list[list[int]]]:
+              json_schema: dict | None = None, **sampling) -> tuple[RunMetrics, list[list[int]]]:
     """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens. With
-    `json_schema`, each output is a document of that schema and ends with it (at most output_len tokens)."""
+    `json_schema`, each output is a document of that schema and ends with it (at most output_len tokens).
+    `sampling`: more SamplingParams fields (penalties, logprobs)."""
     params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p,
-                            ignore_eos=json_schema is None, json_schema=json_schema)
+                            ignore_eos=json_schema is None, json_schema=json_schema, **sampling)
     spec = engine.runner.spec
     before = _spec_counts(spec)
     grammar_before = _grammar_time(engine)
