@@ -2,6 +2,7 @@
 deliberately broken configuration cannot take the test process's CUDA context down with it).
 
 python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain] [--no-graph] [--triton]
+    [--logprobs] [--phase-graphs]
     [--sampling greedy|seeded|seeded-penalties]
 """
 
@@ -38,8 +39,10 @@ def main(argv=None):
     ap.add_argument("--self-draft", action="store_true", help="the target drafts for itself (high acceptance)")
     ap.add_argument("--no-graph", action="store_true", help="eager decode steps (no CUDA graphs)")
     ap.add_argument("--triton", action="store_true", help="the triton attention backend")
-    ap.add_argument("--logprobs", action="store_true",
-                    help="ask for logprobs: speculative steps then take the phase graphs and the plan stream")
+    ap.add_argument("--logprobs", action="store_true", help="ask for logprobs (the whole-iteration GENERAL graph)")
+    ap.add_argument("--phase-graphs", action="store_true",
+                    help="drop the whole-iteration graphs: speculative steps replay the three phase graphs with the "
+                         "plan stream between them (the path of constrained steps with penalties or logprobs)")
     ap.add_argument("--sampling", choices=["greedy", "seeded", "seeded-penalties"], default="greedy",
                     help="seeded: a mix of seeded sampled requests (temperature, top-p, top-k, min-p) and greedy "
                          "ones, which the sampled whole-iteration graphs serve; seeded-penalties adds penalties")
@@ -56,6 +59,10 @@ def main(argv=None):
                       disable_overlap_schedule=ns.no_overlap, disable_plan_stream=ns.no_plan)
     faults = FaultInjection(drop=frozenset([ns.drop] if ns.drop else []))
     engine = Engine(target, _runner_hooks={"stream_faults": faults}, **kwargs)
+    if ns.phase_graphs:
+        graphs = engine.runner.spec.phases.graphs
+        for name in [n for n in graphs if n.startswith("iteration:")]:
+            del graphs[name]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
     if ns.sampling != "greedy":
         params = seeded_mix(16, penalties=ns.sampling == "seeded-penalties", logprobs=1 if ns.logprobs else None)

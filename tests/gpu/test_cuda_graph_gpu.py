@@ -45,14 +45,20 @@ def test_self_draft_with_graphs(root, eager_plain):
     assert outputs(root, "--self-draft", "--triton") == eager_plain
 
 
+@pytest.mark.parametrize("tree", [[], ["--tree"]], ids=["chain", "tree"])
+def test_logprob_steps_with_graphs(root, eager_plain, tree):
+    """Logprob requests replay the whole-iteration graph with every sampling stage (GENERAL)."""
+    assert outputs(root, "--triton", "--logprobs", *tree) == eager_plain
+    assert outputs(root, "--plain", "--logprobs") == eager_plain
+
+
 @pytest.mark.parametrize("edge", sorted(NEGATIVE))
 def test_delay_injection_with_graphs(root, eager_plain, edge):
-    """The overlap test's negative control with the phase graphs replayed (logprobs requests: the
-    whole-iteration graph runs on one stream and has no cross-stream edge to remove): the same
-    delays keep the output with every wait in place, and removing the wait lets the consumer read
-    too early."""
+    """The overlap test's negative control with the phase graphs replayed (the whole-iteration graphs
+    dropped: they run on one stream and have no cross-stream edge to remove): the same delays keep
+    the output with every wait in place, and removing the wait lets the consumer read too early."""
     env = {"TANDEM_STREAM_DELAY_CYCLES": "200000000", "TANDEM_STREAM_DELAY_BUFFERS": NEGATIVE[edge]}
-    assert outputs(root, "--self-draft", "--triton", "--logprobs", env=env) == eager_plain
-    proc = run(root, "--drop", edge, "--self-draft", "--triton", "--logprobs", env=env)
+    assert outputs(root, "--self-draft", "--triton", "--phase-graphs", env=env) == eager_plain
+    proc = run(root, "--drop", edge, "--self-draft", "--triton", "--phase-graphs", env=env)
     if proc.returncode == 0:
         assert json.loads(proc.stdout.strip().splitlines()[-1]) != eager_plain, "the missing wait went unseen"

@@ -10,7 +10,7 @@ of filters (top-p, top-k, min-p), penalties and a greedy row rides along in ever
 import pytest
 
 from tandem import Engine, SamplingParams
-from tandem.layers.sampler import GENERAL
+from tandem.layers.sampler import GENERAL, GENERAL_TOP_K
 from tests.engine.helpers import instrument_preemptions
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.speculative.test_spec_greedy import PROMPTS
@@ -81,8 +81,8 @@ def test_seeded_equal_through_emulated_cuda_graphs(spec_models, plain_seeded, mo
             rows = list(range(kind, len(BATCH), 6))
             outs = engine.generate(input_ids=[BATCH[i] for i in rows], sampling_params=[params[i] for i in rows])
             check(outs, [plain_seeded[i] for i in rows], f"graphs, kind {kind}")
-    general = f"iteration:{GENERAL.name}:chain3"
-    for name in ("iteration:greedy:chain3", "iteration:sampled:chain3", "iteration:sampled+top_k:chain3", general):
+    general = [f"iteration:{f.name}:chain3" for f in (GENERAL, GENERAL_TOP_K)]  # penalties alone; the mixed batch
+    for name in ("iteration:greedy:chain3", "iteration:sampled:chain3", "iteration:sampled+top_k:chain3", *general):
         assert sizes[name], f"the {name} graph never ran"
     assert not sizes["verify"], "a step ran the phases eagerly"
 

@@ -81,13 +81,16 @@ GREEDY = SamplingFeatures()
 SAMPLED = SamplingFeatures(sampled=True)
 SAMPLED_TOP_K = SamplingFeatures(sampled=True, top_k=True)
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit; SamplingParams checks it)
-# Every stage on: penalties, logit bias, min_tokens and the top-20 logprobs. It serves any batch that
-# needs one of those, exactly: a row with neutral weights keeps every logit (x / 1, x - 0 * c, x + 0),
-# a greedy row still takes the argmax, and a row that asked for fewer logprobs takes the first of 20.
-GENERAL = SamplingFeatures(sampled=True, top_k=True, penalties=True, logprobs=MAX_LOGPROBS)
+# Every stage on: penalties, logit bias, min_tokens and the top-20 logprobs (with top-k, or without:
+# its sort cost 40% of an 8B-shape iteration at batch 32). It serves any batch that needs one of
+# those, exactly: a row with neutral weights keeps every logit (x / 1, x - 0 * c, x + 0), a greedy
+# row still takes the argmax, and a row that asked for fewer logprobs takes the first of 20.
+GENERAL = SamplingFeatures(sampled=True, penalties=True, logprobs=MAX_LOGPROBS)
+GENERAL_TOP_K = replace(GENERAL, top_k=True)
 # The combinations captured as CUDA graphs: greedy; sampling with temperature, top-p and min-p (the
-# server's defaults among them); with top-k too (it sorts); and GENERAL, when the penalty tables exist.
+# server's defaults among them); with top-k too (it sorts); and the two GENERAL ones.
 GRAPHED_SAMPLING = (GREEDY, SAMPLED, SAMPLED_TOP_K)
+GRAPHED_GENERAL = (GENERAL, GENERAL_TOP_K)
 # Speculation's depth-0 steps under a grammar also replay whole-iteration graphs (their one mask, the
 # root's, is known before launch; speculative/phases.py).
 GRAPHED_CONSTRAINED = tuple(replace(f, constrained=True) for f in GRAPHED_SAMPLING)
@@ -98,7 +101,7 @@ def graph_features(features: SamplingFeatures) -> SamplingFeatures:
     with penalties or logprobs (constrained ones keep their own, and run eagerly with those stages)."""
     if features.constrained or (not features.penalties and features.logprobs is None):
         return features
-    return GENERAL
+    return GENERAL_TOP_K if features.top_k else GENERAL
 
 
 @dataclass

@@ -17,7 +17,7 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend
 from tandem.layers.sampler import (
-    GENERAL,
+    GRAPHED_GENERAL,
     GRAPHED_SAMPLING,
     GREEDY,
     SamplingFeatures,
@@ -142,7 +142,7 @@ class ModelRunner:
                       GraphInput((), torch.long, self.plain_state.pad_slot),  # state row
                       GraphInput((), torch.long, 0),  # 1: the input token is the row's last sampled token
                       GraphInput((max_pages,), torch.long, self.sink_page)]
-            for features in GRAPHED_SAMPLING + (GENERAL,):
+            for features in GRAPHED_SAMPLING + GRAPHED_GENERAL:
                 self.decode_graphs[features] = GraphedFunction(
                     f"target decode ({features.name})", functools.partial(self._decode_forward, features=features),
                     inputs, self.device)
@@ -418,7 +418,8 @@ class ModelRunner:
         # Tensor parallelism: every rank takes rank 0's tokens (they feed the next step on the device).
         token_ids = self.tp.broadcast_(token_ids.contiguous())
         self.plain_state.last_token[slots] = token_ids
-        self.sampling.add_outputs(slots, token_ids[:, None])
+        if features.penalties:  # (only penalised rows read their counts; a batch without one skips the kernels)
+            self.sampling.add_outputs(slots, token_ids[:, None])
         outputs = {"token_ids": token_ids}
         if features.logprobs is not None:
             # The graph's (top 20: each request keeps its own count when collected), or computed here.

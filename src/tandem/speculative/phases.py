@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from tandem.layers.sampler import GENERAL, GRAPHED_CONSTRAINED, GRAPHED_SAMPLING, SamplingFeatures
+from tandem.layers.sampler import GRAPHED_CONSTRAINED, GRAPHED_GENERAL, GRAPHED_SAMPLING, SamplingFeatures
 from tandem.models.llama import StepContext
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput
 from tandem.speculative import plan
@@ -207,7 +207,7 @@ class SpecPhases:
         for shape in shapes:
             # A constrained step that drafts needs the host between draft and verify (tree masks); one
             # that does not (depth 0) has its single mask before launch and replays a graph too.
-            kinds = GRAPHED_SAMPLING + (GENERAL,) + (GRAPHED_CONSTRAINED if not shape.drafts else ())
+            kinds = GRAPHED_SAMPLING + GRAPHED_GENERAL + (GRAPHED_CONSTRAINED if not shape.drafts else ())
             for features in kinds:
                 def iteration(slots, page_rows, coins, use_coins, allowed=None, features=features, shape=shape):
                     return worker.decode_iteration(slots, page_rows, coins, use_coins, kv_width, features, shape,

@@ -301,7 +301,8 @@ class SpecWorker:
         self._compact_target_kv(vplan, accept)
         pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
         pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
-        self.sampling.add_outputs(slots, accept.out_tokens)
+        if features.penalties:  # (only penalised rows read their counts)
+            self.sampling.add_outputs(slots, accept.out_tokens)
         return accept
 
     def _tree_grammar_masks(self, handle: SpecStepHandle, tree: DraftTree):
@@ -533,7 +534,8 @@ class SpecWorker:
             pool.lag.index_fill_(0, slots, 0)  # the draft prefill below brings the draft up to date
             for c in sampling:
                 self.lag.pop(c.request_id, None)
-            self.sampling.add_outputs(slots, sampled[:, None])
+            if features.penalties:
+                self.sampling.add_outputs(slots, sampled[:, None])
             outputs["prefill_tokens"] = sampled
             if features.logprobs is not None:
                 chosen, top_v, top_i = token_logprobs(logits, sampled, features.logprobs)
