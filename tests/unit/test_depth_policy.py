@@ -55,6 +55,18 @@ def test_high_acceptance_drafts_full_depth():
     assert p.choose(["r"], 1) == DraftShape(3)
 
 
+def test_prompt_chunks_in_the_step_count_as_rows_that_accept_nothing():
+    """Drafting lengthens a step that also processes prompts, which delays those requests' first
+    token for nothing: they count as rows with one token's worth each."""
+    p = policy_with_costs({8: [1.0, 1.2, 1.4, 1.6]}, probe_every=10**9)
+    teach(p, [0.6, 0.6, 0.6])
+    rids = ["r"] * 8
+    # Alone, by hand with a = 0.6 (tokens 1, 1.6, 1.96, 2.176 per row): 8.0, 10.67, 11.2, 10.88 per ms -> 2.
+    assert p.choose(rids, 8) == DraftShape(2)
+    # With 24 prompt rows: (8 t + 24) / ms = 32.0, 30.67, 28.34, 25.88 per ms -> depth 0.
+    assert p.choose(rids, 8, prefill_rows=24) == DraftShape(0)
+
+
 def test_depth_falls_as_the_batch_grows():
     # Batch 1: drafts are nearly free. Batch 64: each verified draft costs half a plain step.
     p = policy_with_costs({1: [1.0, 1.05, 1.1, 1.15], 64: [1.0, 1.5, 2.0, 2.5]}, probe_every=10**9)

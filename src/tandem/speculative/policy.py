@@ -181,11 +181,14 @@ class DepthPolicy:
             return self.tree_tokens * len(request_ids)
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
-    def choose(self, request_ids, padded_batch: int, constrained: bool = False) -> DraftShape:
+    def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
         keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
-        batch has a grammar-constrained row (its own cost table)."""
+        batch has a grammar-constrained row (its own cost table). `prefill_rows`: requests whose prompt
+        chunks share the step; they count as rows that accept nothing (one token's worth each), because
+        drafting lengthens their step too and delays their first token (on an H200 at batch 128, drafting
+        in the prompt-processing steps cost 20-45 ms of time to first token)."""
         padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
@@ -193,21 +196,27 @@ class DepthPolicy:
         # The batch's expected tokens at every chain depth in one pass, from cached per-request sums
         # (this runs on the host every step; a loop over requests per option took 47 us at batch 32
         # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
-        chain_tokens = [sum(column) for column in zip(*(self._expected_of(rid) for rid in request_ids))]
-        tree_tokens = self.tree_tokens * len(request_ids)
+        chain_tokens = [sum(column) + prefill_rows
+                        for column in zip(*(self._expected_of(rid) for rid in request_ids))]
+        tree_tokens = self.tree_tokens * len(request_ids) + prefill_rows
 
         def rate(shape):
             tokens = tree_tokens if shape.tree else chain_tokens[shape.depth]
             return tokens / self.cost_ms[(padded_batch, shape)]
 
         best = max(self.options, key=rate)
-        last = self._last_choice.get(padded_batch)
+        # Steps with prompt chunks keep a choice of their own (they alternate with pure decode steps).
+        key = ("with prompts", padded_batch) if prefill_rows else padded_batch
+        last = self._last_choice.get(key)
         if last is not None and rate(best) <= rate(last) * (1 + self.hysteresis):
             best = last
         if last != best:
-            logger.info("adaptive speculation: batch %s now drafts %s (acceptance per position %s)",
-                        padded_batch, best.name, ", ".join(f"{a:.2f}" for a in self.acceptance))
-            self._last_choice[padded_batch] = best
+            logger.info("adaptive speculation: batch %s%s now drafts %s (acceptance per position %s)",
+                        padded_batch, " with prompt chunks" if prefill_rows else "", best.name,
+                        ", ".join(f"{a:.2f}" for a in self.acceptance))
+            self._last_choice[key] = best
+        if prefill_rows:
+            return best  # no probe where it would delay first tokens
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
         if best != self.deepest and steps >= self._probe_interval(padded_batch, best, self.deepest):
             # The deepest option observes every position at once: one probe can show that a deep

@@ -169,8 +169,10 @@ class SpecWorker:
         verify = [c for c in sched.chunks if self.is_verify(c)]
         if self.policy is None or not verify:
             return None
+        prefill_rows = len({c.request_id for c in sched.chunks if not self.is_verify(c)})
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
-                                  constrained=any(c.sampling_params.constrained for c in verify))
+                                  constrained=any(c.sampling_params.constrained for c in verify),
+                                  prefill_rows=prefill_rows)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
