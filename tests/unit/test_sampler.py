@@ -894,3 +894,21 @@ def test_unfiltered_and_min_p_rows_draw_as_the_sorted_threshold_does():
     got = choose_tokens(logits, meta, SAMPLED)
     assert torch.equal(got, want)
     assert bool((meta.min_p > 0).any()) and bool((meta.min_p == 0).any())
+
+
+def test_top_k_threshold_by_selection_and_by_sort():
+    """The k-th largest value of each row: from a selection of the 1024 largest (k <= 1024) or a sort
+    (`large`), against Python's sorted lists; rows without top-k get -inf; features mark large k."""
+    from tandem.layers.sampler import MAX_SELECTED_TOP_K, top_k_threshold
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 6000
+    small, large = [1, 7, 40, MAX_SELECTED_TOP_K, 0], [MAX_SELECTED_TOP_K + 1, 5000, vocab, 3]
+    for ks, is_large in ((small, False), (large, True)):
+        scaled = torch.cat([distinct_logits(len(ks) - 1, vocab, gen), tied_logits(1, vocab, gen)])
+        got = top_k_threshold(scaled, metadata([P(temperature=1.0, top_k=k) for k in ks]), large=is_large)
+        for i, k in enumerate(ks):
+            want = sorted(scaled[i].tolist(), reverse=True)[k - 1] if k > 0 else float("-inf")
+            assert got[i].item() == want, (k, is_large)
+    assert SamplingFeatures.of([P(temperature=1.0, top_k=MAX_SELECTED_TOP_K + 1)]).large_top_k
+    assert not SamplingFeatures.of([P(temperature=1.0, top_k=MAX_SELECTED_TOP_K)]).large_top_k
