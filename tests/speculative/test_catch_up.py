@@ -69,16 +69,17 @@ def restore(drafter: Drafter, snap: dict) -> None:
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_catch_up_equals_one_extend_per_token_and_keeps_greedy_output(spec_models, reference, kind, shape,
                                                                        monkeypatch):
-    checked = []
+    checked, windows = [], []
     real_catch_up = Drafter.catch_up
 
-    def checked_catch_up(self, slots, page_rows, kv_bound, sink_slot):
+    def checked_catch_up(self, slots, page_rows, kv_bound, sink_slot, window=None):
         before = snapshot(self)
         lags = self.pool.lag[slots].tolist()
         reference_catch_up(self, slots, page_rows, kv_bound)
         want = snapshot(self)
         restore(self, before)
-        real_catch_up(self, slots, page_rows, kv_bound, sink_slot)
+        real_catch_up(self, slots, page_rows, kv_bound, sink_slot, window)
+        windows.append(window)
         got = snapshot(self)
         rows = slots[self.pool.lag.new_tensor(lags) > 0]
         for name in STATE:
@@ -105,8 +106,10 @@ def test_catch_up_equals_one_extend_per_token_and_keeps_greedy_output(spec_model
         for i, (out, want) in enumerate(zip(outs, reference)):
             assert out.token_ids[:NEW_TOKENS] == want, f"{kind}: prompt {i} differs"
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
-    # Catch-ups ran, some of them with a full buffer (forced between depth-0 steps).
+    # Catch-ups ran, some of them with a full buffer (forced between depth-0 steps), each over as many
+    # queries per row as the batch's largest lag (eager steps).
     assert checked and max(checked) == CATCH_UP_WINDOW, checked
+    assert windows == checked, (windows, checked)
 
 
 def test_target_as_its_own_draft_accepts_everything_after_a_catch_up(spec_models, reference):

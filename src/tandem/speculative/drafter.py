@@ -162,17 +162,21 @@ class Drafter:
         self.pool.draft_entries[slots] = first_pos + accept_lens
         self._store_next(slots, last)
 
-    def catch_up(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int, sink_slot: int) -> None:
+    def catch_up(self, slots: torch.Tensor, page_rows: torch.Tensor, kv_bound: int, sink_slot: int,
+                 window: int | None = None) -> None:
         """Runs the draft over each row's deferred tokens (speculative/catch_up.py) and empties its lag
-        buffer; rows without deferred tokens keep their state."""
+        buffer; rows without deferred tokens keep their state. `window`: queries per row, at least every
+        row's lag (default: the whole buffer, as a CUDA graph must; an eager step passes the batch's
+        largest lag, since on a CPU the draft's cost grows with the queries)."""
         pool = self.pool
-        b, window = slots.shape[0], pool.catch_up_window
+        b, window = slots.shape[0], window or pool.catch_up_window
         lag = pool.lag[slots]  # [B]
         first_pos = pool.draft_entries[slots]
         metadata, positions = catch_up.catch_up_metadata(page_rows, first_pos, lag, window, kv_bound,
                                                          self.page_size, sink_slot)
-        feats = pool.lag_features[slots].reshape(b * window, -1) if pool.lag_features is not None else None
-        out = self.model(pool.lag_tokens[slots].reshape(-1), positions, feats, self._ctx(metadata),
+        feats = (pool.lag_features[slots, :window].reshape(b * window, -1) if pool.lag_features is not None
+                 else None)
+        out = self.model(pool.lag_tokens[slots, :window].reshape(-1), positions, feats, self._ctx(metadata),
                          hidden_is_target=True)
         last = out.view(b, window, -1)[torch.arange(b, device=slots.device), (lag - 1).clamp(min=0)]  # [B, H]
         lagging = lag > 0

@@ -209,7 +209,8 @@ class SpecWorker:
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
-        needs_catch_up = self._plan_catch_up(handle.verify_ids, shape)
+        catch_up_window = self._plan_catch_up(handle.verify_ids, shape)
+        needs_catch_up = catch_up_window > 0
         if needs_catch_up:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
@@ -244,7 +245,7 @@ class SpecWorker:
         s.read(f"page_rows[{it}]", "main")
         if needs_catch_up:
             started = time.perf_counter()
-            self.phases.catch_up(slots, page_rows, kv_bound)
+            self.phases.catch_up(slots, page_rows, kv_bound, catch_up_window)
             if runner.device.type != "cuda":
                 handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
         s.write(f"draft_tree[{it}]", "main")
@@ -331,9 +332,10 @@ class SpecWorker:
         rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n
         return feature[rows]
 
-    def _plan_catch_up(self, request_ids: list[str], shape: DraftShape) -> bool:
-        """Whether this step first runs the draft over deferred tokens: before a step that drafts, or
-        when a deferring step would overflow a lag buffer. Updates the host mirror of the lags."""
+    def _plan_catch_up(self, request_ids: list[str], shape: DraftShape) -> int:
+        """Whether this step first runs the draft over deferred tokens (before a step that drafts, or
+        when a deferring step would overflow a lag buffer): the largest lag it catches up, or 0.
+        Updates the host mirror of the lags."""
         lags = [self.lag.get(rid, 0) for rid in request_ids]
         needed = any(lags) and (shape.drafts or max(lags) >= self.pool.catch_up_window)
         for rid, lag in zip(request_ids, lags):
@@ -342,7 +344,7 @@ class SpecWorker:
                 self.lag.pop(rid, None)
             else:
                 self.lag[rid] = lag + 1
-        return needed
+        return max(lags) if needed else 0
 
     def _synthetic_coins(self, tree: DraftTree):
         """BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
