@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every single-GPU test file, side by side on one H200 (each file in its own process), one log in $OUT.
+# Every single-GPU test file, side by side on one H200 (each file in its own process), and the GPU-marked
+# tests outside tests/gpu; one log in $OUT.
 #   OUT=/tmp/pass bash bench/h200_tests.sh        (xgrammar must be importable for the structured file)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,9 @@ for t in seeded cuda_graph overlap sampling_kernel structured triton; do
     timeout -k 5 ${TESTS_S:-300} python -m pytest -q -p no:cacheprovider tests/gpu/test_${t}_gpu.py \
         > /tmp/gputests/t_$t.log 2>&1 &
 done
+# GPU-marked tests outside tests/gpu (the chi-square of sampled speculation on the GPU, among others).
+timeout -k 5 ${TESTS_S:-300} python -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/gpu \
+    > /tmp/gputests/t_marked_elsewhere.log 2>&1 &
 wait
 for f in /tmp/gputests/t_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/gpu_tests.log"
 grep -E "^=== |passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^E " | head -40
