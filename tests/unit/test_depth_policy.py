@@ -67,6 +67,17 @@ def test_prompt_chunks_in_the_step_count_as_rows_that_accept_nothing():
     assert p.choose(rids, 8, prefill_rows=24) == DraftShape(0)
 
 
+def test_depth_zero_pays_for_its_catch_ups():
+    """A catch-up runs the draft over the tokens depth-0 steps deferred: its time per deferred step is
+    part of depth 0's cost. By hand with a = 0.08: depth 1 gives 1.08 / 1.1 = 0.982 tokens per ms,
+    depth 0 1 / 1.0 (-> depth 0), or 1 / 1.1 = 0.909 once each step owes 0.1 ms of catch-up (-> 1)."""
+    p = policy_with_costs({1: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9)
+    teach(p, [0.08, 0.08, 0.08])
+    assert p.choose(["r"], 1) == DraftShape(0)
+    p.observe_catch_up(1, 0.1)
+    assert p.choose(["r"], 1) == DraftShape(1)
+
+
 def test_depth_falls_as_the_batch_grows():
     # Batch 1: drafts are nearly free. Batch 64: each verified draft costs half a plain step.
     p = policy_with_costs({1: [1.0, 1.05, 1.1, 1.15], 64: [1.0, 1.5, 2.0, 2.5]}, probe_every=10**9)

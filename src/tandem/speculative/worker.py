@@ -97,6 +97,7 @@ class SpecStepHandle:
     padded_batch: int = 0  # the batch size the policy keys its cost table by
     constrained: bool = False  # a verify row has a grammar (the policy's other cost table)
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
+    catch_up_lag: int = 0  # the deferred steps that catch-up paid for (the batch's largest lag)
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
@@ -215,6 +216,7 @@ class SpecWorker:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
             handle.catch_up_ms = self.catch_up_ms.get(handle.padded_batch, 0.0)
+            handle.catch_up_lag = catch_up_window
         graphed = graph_features(features)
         if self.phases.iteration_graphed(b, graphed, shape) or (
                 features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
@@ -655,8 +657,12 @@ class SpecWorker:
             self.policy.observe_accept(rid, handle.shape, k)
         if not handle.prefill_ids:
             ms = 1e3 * (now - started) if self.runner.device.type == "cuda" else handle.launch_ms
-            self.policy.observe_time(handle.padded_batch, handle.shape, max(ms - handle.catch_up_ms, 0.5 * ms),
+            catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
+            self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms,
                                      constrained=handle.constrained)
+            if handle.catch_up_lag:  # the depth-0 steps that deferred the work pay for it
+                self.policy.observe_catch_up(handle.padded_batch, catch_up_ms / handle.catch_up_lag,
+                                             constrained=handle.constrained)
 
 
 def _replay_ms(graph, replays: int) -> float:
