@@ -262,7 +262,8 @@ class SpecWorker:
         outputs["accept_lens"] = accept.accept_lens
         outputs["out_tokens"] = accept.out_tokens
         if features.logprobs is not None:
-            self._verify_logprobs(logits, accept, features.logprobs, outputs)
+            outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = self._verify_logprobs(
+                logits, accept, features.logprobs)
         if not shape.drafts:
             # One node per row: hidden and aux are [B, H], the root's features.
             catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0], self._feature(hidden, aux))
@@ -455,9 +456,7 @@ class SpecWorker:
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, (coins, use_coins), allowed)
         results = (accept.accept_lens, accept.out_tokens)
         if features.logprobs is not None:
-            lp = {}
-            self._verify_logprobs(logits, accept, features.logprobs, lp)
-            results += (lp["verify_logprob"], lp["verify_top_v"], lp["verify_top_i"])
+            results += self._verify_logprobs(logits, accept, features.logprobs)
         if not shape.drafts:
             catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0],
                                   self._feature(hidden.reshape(-1, hidden.shape[-1]),
@@ -501,13 +500,13 @@ class SpecWorker:
         for cache in (*self.runner.kv_cache.k, *self.runner.kv_cache.v):
             cache[dst] = cache[src]
 
-    def _verify_logprobs(self, logits, accept: AcceptResult, top_n: int, outputs) -> None:
-        """Raw-model logprobs of each produced token: node path[j] predicts out_tokens[j]."""
+    def _verify_logprobs(self, logits, accept: AcceptResult, top_n: int):
+        """Raw-model logprobs of each produced token (node path[j] predicts out_tokens[j]): the chosen
+        tokens' [B, Q], and the top-n values and ids [B, Q, n]."""
         b, q = accept.path.shape
         node_logits = logits.gather(1, accept.path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1]))
         chosen, top_v, top_i = token_logprobs(node_logits.reshape(b * q, -1), accept.out_tokens.reshape(-1), top_n)
-        outputs["verify_logprob"] = chosen.view(b, q)
-        outputs["verify_top_v"], outputs["verify_top_i"] = top_v.view(b, q, -1), top_i.view(b, q, -1)
+        return chosen.view(b, q), top_v.view(b, q, -1), top_i.view(b, q, -1)
 
     # ---- prefill rows: CPU-planned, results stay on the device ------------------------------
     def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs) -> None:
