@@ -1,7 +1,9 @@
 """GPU time of one sampling call at the 8B shape's vocabulary (128,256), replayed from a CUDA graph as the
 decode iteration replays it: greedy argmax against the sampling kernel (temperature 1; top-p 0.9; min-p;
-top-k 50, which adds a sort) at several warp counts, for flat logits (random-weight models) and peaked
-ones (trained models), and the torch reference (noise written out, a sort) for scale.
+top-k 50, which adds a sort) at several warp counts and numbers of parallel pivot rounds (0: each row
+settles alone, as before 2026-12-01's fourth session), for flat logits (random-weight models) and peaked
+ones (trained models), and the torch reference (noise written out, a sort) for scale. Every variant's
+tokens are checked against the reference's.
 
 python bench/sampling_kernel_bench.py --out bench/results/sampling_kernel_h200.json
 """
@@ -57,10 +59,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 32, 128])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--warps", type=int, nargs="+", default=[16])
+    ap.add_argument("--pivot-rounds", type=int, nargs="+", default=[0, 2, 3])
     ns = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    default_warps = sampling_kernels.NUM_WARPS
+    default_warps, default_rounds = sampling_kernels.NUM_WARPS, sampling_kernels.PIVOT_ROUNDS
     results = []
     for scale, kind in ((0.3, "flat"), (4.0, "peaked")):
         for rows in ns.rows:
@@ -68,16 +71,23 @@ def main() -> None:
             for mode, (params, features) in MODES.items():
                 meta = SamplingMetadata.from_params([params] * rows, list(range(rows)), device="cuda",
                                                     seeds=list(range(rows)))
-                for warps in (ns.warps if features.sampled else [0]):
-                    sampling_kernels.NUM_WARPS = warps or default_warps  # read at each call
+                want = sample_reference(logits, meta)
+                variants = [(w, r) for w in ns.warps for r in ns.pivot_rounds] if features.sampled else [(0, 0)]
+                for warps, rounds in variants:
+                    sampling_kernels.NUM_WARPS = warps or default_warps  # both read at each call
+                    sampling_kernels.PIVOT_ROUNDS = rounds
+                    if not torch.equal(choose_tokens(logits, meta, features), want):
+                        raise SystemExit(f"{kind} rows {rows} {mode} warps {warps} rounds {rounds}: not the reference")
                     us = graph_time_us(lambda: choose_tokens(logits, meta, features))
-                    results.append(dict(logits=kind, rows=rows, mode=mode, warps=warps, us=round(us, 2)))
-                    print(f"{kind:>6} rows {rows:>3} {mode:<13} warps {warps:>2}: {us:8.1f} us", flush=True)
+                    results.append(dict(logits=kind, rows=rows, mode=mode, warps=warps, pivot_rounds=rounds,
+                                        us=round(us, 2)))
+                    print(f"{kind:>6} rows {rows:>3} {mode:<13} warps {warps:>2} rounds {rounds}: {us:8.1f} us",
+                          flush=True)
                 if features.sampled:
                     us = graph_time_us(lambda: sample_reference(logits, meta))
                     results.append(dict(logits=kind, rows=rows, mode=mode, warps="torch reference", us=round(us, 2)))
                     print(f"{kind:>6} rows {rows:>3} {mode:<13} torch reference: {us:8.1f} us", flush=True)
-    sampling_kernels.NUM_WARPS = default_warps
+    sampling_kernels.NUM_WARPS, sampling_kernels.PIVOT_ROUNDS = default_warps, default_rounds
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump({"tool": "bench/sampling_kernel_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),

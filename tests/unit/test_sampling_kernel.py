@@ -38,10 +38,11 @@ PARAMS = [
 ]
 
 
-def kernel(logits, meta):
+def kernel(logits, meta, pivot_rounds=None):
     inv_t = inverse_temperature(meta)
     kth = top_k_threshold(logits * inv_t[:, None], meta)
-    return sample_triton(logits, inv_t, kth, meta.temperature, meta.top_p, meta.min_p, meta.seed, meta.position)
+    return sample_triton(logits, inv_t, kth, meta.temperature, meta.top_p, meta.min_p, meta.seed, meta.position,
+                         pivot_rounds=pivot_rounds)
 
 
 def rows(vocab: int, copies: int, seed: int):
@@ -69,9 +70,10 @@ def test_kernel_draws_the_reference_token(vocab, copies):
     assert torch.equal(got, want), [(i, PARAMS[i % len(PARAMS)]) for i in (got != want).nonzero().flatten().tolist()]
 
 
-def test_kernel_needs_several_rounds_and_stays_exact():
+@pytest.mark.parametrize("pivot_rounds", [0, 1, 3])  # 0: the per-row settle alone; 1: most rows reach it
+def test_kernel_needs_several_rounds_and_stays_exact(pivot_rounds):
     """A flat row and top-p 0.3: the first drawn token is often outside the nucleus, so the pivot
-    rounds run; every row must still give the reference's token."""
+    rounds run, over all slices at once and then per row; every row must still give the reference's token."""
     vocab, n = 200, 60
     logits = torch.linspace(0, 2, vocab).repeat(n, 1)
     params = [SamplingParams(temperature=1.0, top_p=0.3)] * n
@@ -80,7 +82,7 @@ def test_kernel_needs_several_rounds_and_stays_exact():
     assert len(set(want.tolist())) > 5
     got = kernel(logits.to(DEVICE), SamplingMetadata(*(getattr(meta, f).to(DEVICE) for f in (
         "temperature", "top_k", "top_p", "min_p", "seed", "position", "repetition_penalty", "frequency_penalty",
-        "presence_penalty")))).cpu()
+        "presence_penalty"))), pivot_rounds).cpu()
     assert torch.equal(got, want)
 
 
