@@ -60,6 +60,33 @@ def test_repeats_report_the_median_and_keep_every_run(bench, tiny_pair):
         assert off[key] == statistics.median(r[key] for r in off["runs"]), key
 
 
+@pytest.mark.parametrize("sequential", [False, True])
+def test_modes_take_turns_run_by_run(bench, tiny_pair, monkeypatch, sequential):
+    """By default both engines are held and their timed runs alternate (a slow stretch of the machine
+    lands on both modes); --sequential runs one engine's batches, then the other's."""
+    from tandem.bench import run as bench_run
+
+    order = []
+    real = bench_run.run_batch
+
+    def recording(engine, prompts, output_len, *args, **kwargs):
+        if output_len == 10:  # the timed runs (warm-up runs are 8 tokens)
+            order.append(("on" if engine.runner.spec is not None else "off", len(prompts)))
+        return real(engine, prompts, output_len, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "run_batch", recording)
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--speculative-algorithm", "EAGLE3",
+                             "--speculative-draft-model-path", tiny_pair[1], "--batch-sizes", "1", "2",
+                             "--input-len", "5", "--output-len", "10", "--no-plots", "--repeats", "2",
+                             *(["--sequential"] if sequential else []))
+    assert rc == 0
+    if sequential:
+        assert order == [("on", 1)] * 2 + [("on", 2)] * 2 + [("off", 1)] * 2 + [("off", 2)] * 2
+    else:
+        assert order == [("on", 1), ("off", 1)] * 2 + [("on", 2), ("off", 2)] * 2
+    assert all(len(row[mode]["runs"]) == 2 for row in record["batches"] for mode in ("spec_on", "spec_off"))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--spec", "on"], "speculation needs"),  # a checkpoint without a draft
     (["--repeats", "0"], "--repeats"),

@@ -52,6 +52,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per batch size and mode (same prompts); each reported metric is the "
                         "median, every run is kept in the JSON (time to first token is one noisy sample per run)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one engine at a time (for a model that fits only once); by default the engines of "
+                        "speculation on and off are held together and their runs take turns")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -70,7 +73,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
         top_p=ns.top_p, json_schema=_json_schema(ns.json_schema),
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
-        repeats=ns.repeats,
+        repeats=ns.repeats, interleave=not ns.sequential,
         command=["tandem", *sys.argv[1:]],
     )
     result = run_bench(cfg)

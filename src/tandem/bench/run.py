@@ -1,5 +1,6 @@
 """`tandem bench`: offline latency and throughput over batch sizes, speculation on and off side by side
-in one process (one engine after the other, same prompts), optionally against transformers.
+in one process (both engines held at once, their runs taking turns; same prompts), optionally against
+transformers.
 
 Each batch size adds B random prompts of input_len tokens at once and runs them to exactly output_len
 tokens each (ignore_eos). Weights are a real checkpoint, the bundled demo pair, or random weights in a
@@ -43,6 +44,7 @@ class BenchConfig:
     progress: bool = True
     warmup: bool = True
     repeats: int = 1  # timed runs per batch size and mode; the row holds each metric's median
+    interleave: bool = True  # every mode's engine at once, runs taking turns (False: one engine at a time)
     command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -112,8 +114,6 @@ def run_bench(cfg: BenchConfig) -> dict:
     import torch
     from tqdm import tqdm
 
-    from tandem import Engine
-
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as preset_dir:
         spec_kw = resolve_engine_kwargs(cfg, preset_dir)
         plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
@@ -121,50 +121,49 @@ def run_bench(cfg: BenchConfig) -> dict:
         tokens: dict[tuple[str, int], list[list[int]]] = {}
         n_runs = len(cfg.modes) * len(cfg.batch_sizes) + (len(cfg.batch_sizes) if cfg.compare_hf else 0)
         bar = tqdm(total=n_runs, desc="tandem bench", unit="run", disable=not cfg.progress)
-        engine = None
+        engines: dict[str, object] = {}
         info = {}
         try:
-            for i, mode in enumerate(cfg.modes):
-                engine = Engine(**(spec_kw if mode == "spec_on" else plain_kw))
-                info = info or _run_info(engine)
-                if mode == "spec_on" and cfg.synthetic_acceptance is not None:
-                    synthetic.install(engine, cfg.synthetic_acceptance, seed=spec_kw.get("seed") or 0)
-                vocab = engine.arch.vocab_size
-                if cfg.warmup:  # first-call costs (allocator, kernel selection) stay out of the numbers;
-                    # every batch size, because kernels specialise on their shapes (triton compiles
-                    # separate variants when an argument is 1, as a batch of one makes some of them)
-                    for b in cfg.batch_sizes:
-                        run_batch(engine, random_prompts(b, cfg.input_len, vocab, seed=10_007),
-                                  min(cfg.output_len, 8), cfg.temperature, cfg.top_p, cfg.json_schema)
+            # Interleaved (the default): every mode's engine at once, taking turns run by run, so that a
+            # slow stretch of the machine lands on all modes alike (on a 2-core CPU, plain decoding's own
+            # runs moved 17-30% between one engine's turn and the next). Sequential: one engine at a
+            # time, for a model that fits only once.
+            groups = [list(cfg.modes)] if cfg.interleave else [[mode] for mode in cfg.modes]
+            for gi, group in enumerate(groups):
+                for mode in group:
+                    engines[mode] = _bench_engine(cfg, mode, spec_kw, plain_kw)
+                    info = info or _run_info(engines[mode])
                 for b in cfg.batch_sizes:
-                    bar.set_postfix_str(f"{mode.replace('_', ' ')}, batch {b}")
-                    prompts = random_prompts(b, cfg.input_len, vocab, seed=spec_kw.get("seed") or 0)
-                    runs = []
+                    bar.set_postfix_str(f"{' and '.join(m.replace('_', ' ') for m in group)}, batch {b}")
+                    prompts = random_prompts(b, cfg.input_len, info["vocab_size"], seed=spec_kw.get("seed") or 0)
+                    runs = {mode: [] for mode in group}
                     for _ in range(cfg.repeats):  # the same prompts each time
-                        metrics, toks = run_batch(engine, prompts, cfg.output_len, cfg.temperature, cfg.top_p,
-                                                  cfg.json_schema)
-                        if cfg.json_schema is None:  # documents end where their schema says
-                            _check_lengths(toks, cfg.output_len)
-                        runs.append(metrics)
-                    row = median_of_runs(runs)
-                    if mode == "spec_off":
-                        row.pop("mean_accept_length")
-                        row.pop("accept_per_position")
-                    elif cfg.synthetic_acceptance is not None:
-                        row["label"] = synthetic.LABEL
-                    rows[b][mode] = row
-                    tokens[(mode, b)] = toks
-                    bar.update()
-                if cfg.compare_hf and i == len(cfg.modes) - 1:
-                    _compare_hf(cfg, engine, rows, tokens, bar)
-                engine.shutdown()
-                engine = None
+                        for mode in group:
+                            metrics, toks = run_batch(engines[mode], prompts, cfg.output_len, cfg.temperature,
+                                                      cfg.top_p, cfg.json_schema)
+                            if cfg.json_schema is None:  # documents end where their schema says
+                                _check_lengths(toks, cfg.output_len)
+                            runs[mode].append(metrics)
+                            tokens[(mode, b)] = toks
+                    for mode in group:
+                        row = median_of_runs(runs[mode])
+                        if mode == "spec_off":
+                            row.pop("mean_accept_length")
+                            row.pop("accept_per_position")
+                        elif cfg.synthetic_acceptance is not None:
+                            row["label"] = synthetic.LABEL
+                        rows[b][mode] = row
+                        bar.update()
+                if cfg.compare_hf and gi == len(groups) - 1:
+                    _compare_hf(cfg, engines.pop(group[-1]), rows, tokens, bar)
+                for mode in list(engines):
+                    engines.pop(mode).shutdown()
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
         finally:
             bar.close()
-            if engine is not None:
+            for engine in engines.values():
                 engine.shutdown()
 
     for row in rows.values():
@@ -182,6 +181,23 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["plots"] = report.plot(result, os.path.splitext(out)[0])
     report.write_json(result, out)
     return result
+
+
+def _bench_engine(cfg: BenchConfig, mode: str, spec_kw: dict, plain_kw: dict):
+    """One mode's engine, warmed up: first-call costs (allocator, kernel selection) stay out of the
+    numbers; every batch size, because kernels specialise on their shapes (triton compiles separate
+    variants when an argument is 1, as a batch of one makes some of them)."""
+    from tandem import Engine
+
+    engine = Engine(**(spec_kw if mode == "spec_on" else plain_kw))
+    if mode == "spec_on" and cfg.synthetic_acceptance is not None:
+        synthetic.install(engine, cfg.synthetic_acceptance, seed=spec_kw.get("seed") or 0)
+    if cfg.warmup:
+        vocab = engine.arch.vocab_size
+        for b in cfg.batch_sizes:
+            run_batch(engine, random_prompts(b, cfg.input_len, vocab, seed=10_007), min(cfg.output_len, 8),
+                      cfg.temperature, cfg.top_p, cfg.json_schema)
+    return engine
 
 
 def _compare_hf(cfg: BenchConfig, engine, rows: dict, tokens: dict, bar) -> None:

@@ -134,8 +134,9 @@ class Drafter:
         tokens as a topk-1 tree, without the tree builder's scoring and selection."""
         pool = self.pool
         root = pool.verified_id[slots]
-        if depth == 0:
-            return chain_tree(root, root.new_empty(root.shape[0], 0))
+        if depth == 0:  # (chain_tree's cat and aranges are five kernels a step where nothing is drafted)
+            return DraftTree(root[:, None], torch.full_like(root[:, None], -1), torch.zeros_like(root[:, None]),
+                             max_depth=0, chain=True)
         base = pool.draft_entries[slots]  # [B]
         token = pool.topk_ids[slots][:, :1]  # [B, 1]: d_1 (the best of the kept top-k), kept by the last extend
         hidden = pool.draft_hidden[slots]  # [B, H]

@@ -25,14 +25,15 @@ class VerifyPlan:
     node_slots: torch.Tensor  # [B, N] cache slot of tree node j: position seq_len + j
     node_cols: torch.Tensor  # [B, N] KV column of node j in the window
     kv_slots: torch.Tensor  # [B, L]
-    prefix_mask: torch.Tensor  # [B, N, L] the cached prefix, visible to every node
+    prefix_mask: torch.Tensor | None  # [B, N, L] the cached prefix, visible to every node (None: the root alone)
 
 
 def plan_verify(page_rows, seq_lens, num_nodes: int, kv_bound: int, page_size: int) -> VerifyPlan:
     b, device = page_rows.shape[0], page_rows.device
     kv_pos = torch.arange(kv_bound, device=device).expand(b, -1)  # [B, L]
     node_pos = seq_lens[:, None] + torch.arange(num_nodes, device=device)  # [B, N]
-    prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound)
+    # The root alone (adaptive depth 0) runs plain decoding's metadata (root_only_metadata): no tree mask.
+    prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound) if num_nodes > 1 else None
     return VerifyPlan(seq_lens, page_slots(page_rows, node_pos, page_size), node_pos,
                       page_slots(page_rows, kv_pos, page_size), prefix)
 

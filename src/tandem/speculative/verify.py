@@ -46,6 +46,9 @@ def accept_target_tokens(tree: DraftTree, target_tokens: Tensor, coins: Tensor |
     when its token matches (synthetic acceptance, tandem.bench.synthetic). Both rules live in one
     function so one captured CUDA graph serves either.
     """
+    if tree.tokens.shape[1] == 1:  # the root alone (adaptive depth 0): its target token, nothing to walk
+        root = torch.zeros_like(target_tokens)
+        return AcceptResult(accept_lens=root[:, 0] + 1, path=root, out_tokens=target_tokens)
     if tree.chain:
         return _accept_chain(tree, target_tokens, coins, use_coins)
     batch, num_nodes = tree.tokens.shape

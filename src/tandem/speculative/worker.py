@@ -125,6 +125,7 @@ class SpecWorker:
         self.lag: dict[str, int] = {}
         self.catch_up_ms: dict[int, float] = {}  # padded batch -> catch-up graph time (start-up timing)
         self.grammar = None  # structured/matchers.GrammarRows once a constrained request arrived (the runner's)
+        self._coin_buffers: dict[int, torch.Tensor] = {}  # nodes -> [rows, nodes] False (no synthetic coins)
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -240,7 +241,8 @@ class SpecWorker:
             vplan = plan.plan_verify(page_rows, pool.seq_lens[slots], n_nodes, kv_bound, ps)
             verify_plan_ready = s.record("plan", "verify_plan")
         for t in (slots, page_rows, *vars(vplan).values()):
-            s.keep_alive(t, "main")
+            if t is not None:
+                s.keep_alive(t, "main")
 
         # Main stream: draft the tree while the plan stream works.
         s.wait("main", table_ready)
@@ -306,7 +308,10 @@ class SpecWorker:
                                                                use_coins))
         self._compact_target_kv(vplan, accept)
         pool.seq_lens[slots] = vplan.seq_lens + accept.accept_lens
-        pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
+        if n == 1:  # the root alone: its one token (a gather by accept_lens is three kernels more)
+            pool.verified_id[slots] = accept.out_tokens[:, 0]
+        else:
+            pool.verified_id[slots] = accept.out_tokens.gather(1, (accept.accept_lens - 1)[:, None]).squeeze(1)
         if features.penalties:  # (only penalised rows read their counts)
             self.sampling.add_outputs(slots, accept.out_tokens)
         return accept
@@ -387,11 +392,9 @@ class SpecWorker:
         handle.staging_released = s.record("main", "staging_released")
         synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _synthetic_coins)
         coin_shape = (b, self.phases.num_nodes(shape))
-        if synthetic is not None:
-            coins = synthetic.coins(coin_shape, device)
-        else:
-            coins = torch.zeros(coin_shape, dtype=torch.bool, device=device)
-        use_coins = torch.full((b,), synthetic is not None, dtype=torch.bool, device=device)
+        no_coins = self._no_coins(coin_shape, device)
+        coins = synthetic.coins(coin_shape, device) if synthetic is not None else no_coins
+        use_coins = torch.ones_like(coins[:, 0]) if synthetic is not None else no_coins[:, 0]
         vocab = self.runner.arch.vocab_size
         allowed = None
         if features.constrained and not shape.drafts:  # the root's mask, known before launch
@@ -420,6 +423,14 @@ class SpecWorker:
         handle.max_depth = out_tokens.shape[1] - 1
         outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
+
+    def _no_coins(self, shape: tuple[int, int], device) -> torch.Tensor:
+        """[B, N] False, sliced from one kept buffer: creating it every step was a kernel a step."""
+        buf = self._coin_buffers.get(shape[1])
+        if buf is None or buf.shape[0] < shape[0]:
+            buf = self._coin_buffers[shape[1]] = torch.zeros(max(shape[0], 8), shape[1], dtype=torch.bool,
+                                                             device=device)
+        return buf[:shape[0]]
 
     def decode_iteration(self, slots, page_rows, coins, use_coins, kv_bound: int, features: SamplingFeatures,
                          shape: DraftShape, allowed=None):
