@@ -33,7 +33,11 @@ _BLOCK = 2048
 NUM_WARPS = 16
 # Pivot rounds run over all of a row's slices at once; a row still unsettled after them finishes alone in
 # the settle kernel. A round settles about top_p of the rows it checks, so three leave about 1 in 1000.
+# Only for batches of up to PIVOT_ROUNDS_MAX_ROWS rows: on an H200 at 128k tokens they cut top-p 0.9 at 32
+# rows from 113 to 67 us (flat logits) and 179 to 82 us (peaked), but cost 3-5 us more at 1 row, and at
+# 128 rows, which fill the GPU one program per row, 17 us more (bench/results/sampling_kernel_pivot_rounds_h200.json).
 PIVOT_ROUNDS = 3
+PIVOT_ROUNDS_MAX_ROWS = 64
 
 
 @triton.jit
@@ -203,7 +207,8 @@ def _pivot_round_kernel(logits_ptr, stride, vocab, chunk, inv_t_ptr, temperature
         end = tl.minimum(begin + chunk, vocab)
         for start in range(begin, end, BLOCK):
             ids, s, score = _race_block(base, start, end, inv_t, k1, k2, noise_scale, lower, s_c, MUL1, MUL2, BLOCK)
-            acc += tl.where(s > s_c, tl.exp(s - row_max), 0.0)
+            if check_nucleus:  # (min-p alone needs no mass above the candidate)
+                acc += tl.where(s > s_c, tl.exp(s - row_max), 0.0)
             better = score > best
             best = tl.where(better, score, best)
             best_id = tl.where(better, ids, best_id)
@@ -304,7 +309,9 @@ def sample_triton(logits: torch.Tensor, inv_t: torch.Tensor, kth: torch.Tensor, 
               torch.empty(rows, parts, dtype=torch.float32, device=logits.device),
               torch.empty(rows, parts, dtype=torch.int32, device=logits.device)) for _ in range(2)]
     shared = (part_score, part_id, part_max, part_mass)
-    rounds = PIVOT_ROUNDS if pivot_rounds is None else pivot_rounds
+    if pivot_rounds is None:
+        pivot_rounds = PIVOT_ROUNDS if 1 < rows <= PIVOT_ROUNDS_MAX_ROWS else 0
+    rounds = pivot_rounds
     prev = state[1]
     for r in range(rounds):
         cur = state[r % 2]
