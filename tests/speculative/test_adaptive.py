@@ -112,3 +112,97 @@ def test_bad_adaptive_value_is_refused(spec_models):
     with pytest.raises(ValueError, match="speculative_adaptive must be 'on' or 'off'"):
         Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
                speculative_adaptive="maybe", **CHAIN, **ENGINE)
+
+
+class DormantHalfPolicy(CyclingPolicy):
+    """CyclingPolicy that admits every other request dormant (no draft state), whatever the costs."""
+
+    def __init__(self, base: DepthPolicy):
+        super().__init__(base)
+        self.admits = 0
+
+    def admit(self, request_id, padded_batch):
+        self.dormant.discard(request_id)
+        self.admits += 1
+        if self.admits % 2:
+            self.dormant.add(request_id)
+        return self.admits % 2 == 1
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "STANDALONE"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_dormant_requests_keep_greedy_output_and_get_no_draft_work(spec_models, reference, kind, graphs,
+                                                                    monkeypatch):
+    """Half the requests dormant, every shape in turn: outputs stay plain greedy output; the draft's
+    prefill and catch-ups never run on a dormant request's row (they keep no draft state)."""
+    from tests.speculative.test_streams import RecordingDeviceModule
+
+    monkeypatch.setenv("TANDEM_STREAM_CHECK", "1")
+    if graphs:
+        monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
+    extra = {"cuda_graph_max_bs": 16} if graphs else {"_runner_hooks": {"device_module": RecordingDeviceModule()}}
+    with engine(spec_models, kind, CHAIN, **extra) as e:
+        spec = e.runner.spec
+        spec.policy = DormantHalfPolicy(spec.policy)
+        pool, policy = spec.pool, spec.policy
+        seen = {"prefill": 0, "catch_up": 0, "dormant": 0}
+        real_prefill, real_catch_up = spec.drafter.prefill, spec.phases.catch_up
+
+        def dormant_slots():
+            seen["dormant"] = max(seen["dormant"], len(policy.dormant))
+            return {pool.slot(rid) for rid in policy.dormant}
+
+        def prefill(feeds, *args):
+            seen["prefill"] += 1
+            assert not {f.slot for f in feeds} & dormant_slots(), "a dormant request's prompt went to the draft"
+            return real_prefill(feeds, *args)
+
+        def catch_up(slots, *args):
+            seen["catch_up"] += 1
+            assert not set(slots.tolist()) & dormant_slots(), "a catch-up ran on a dormant request's row"
+            return real_catch_up(slots, *args)
+
+        monkeypatch.setattr(spec.drafter, "prefill", prefill)
+        monkeypatch.setattr(spec.phases, "catch_up", catch_up)
+        outs = e.generate(input_ids=PROMPTS[:12], sampling_params=greedy())
+        for i, (out, want) in enumerate(zip(outs, reference)):
+            assert out.token_ids == want, f"{kind}: prompt {i} differs"
+        assert seen["dormant"] and seen["catch_up"] and seen["prefill"], seen
+        assert spec.stats.steps_by_depth[0] and spec.stats.steps_by_depth[3]
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+
+
+def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_models, monkeypatch):
+    """Synthetic acceptance 0 (BENCHMARK ONLY coins: nothing is ever accepted) and a frozen GPU-like cost
+    table (depth d costs 1 + 0.3 d ms): the first wave teaches the policy that drafts never pay; in the
+    second, the real `admit` makes every request dormant but each eighth (a sentinel), and those never
+    reach the draft's prefill."""
+    from tandem.bench import synthetic
+    from tandem.speculative import policy as policy_module
+    from tandem.speculative.policy import SENTINEL_EVERY
+
+    # Four requests leave depth 0 after two drafting steps here: 8 observations of position 1.
+    monkeypatch.setattr(policy_module, "DORMANT_MIN_OBSERVATIONS", 8)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        spec = e.runner.spec
+        policy = spec.policy
+        for bs in range(1, 17):
+            for shape in policy.options:
+                policy.cost_ms[(bs, shape)] = 1.0 + 0.3 * shape.depth
+        synthetic.install(e, 0.0)
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        e.generate(input_ids=PROMPTS[:4], sampling_params=params)
+        assert policy.acceptance[0] < 0.1, policy.acceptance
+        admitted = []
+        real_admit = policy.admit
+        monkeypatch.setattr(policy, "admit", lambda rid, padded: admitted.append(real_admit(rid, padded)) or admitted[-1])
+        fed = []
+        real_prefill = spec.drafter.prefill
+        monkeypatch.setattr(spec.drafter, "prefill", lambda feeds, *a: fed.extend(feeds) or real_prefill(feeds, *a))
+        outs = e.generate(input_ids=PROMPTS[:2 * SENTINEL_EVERY], sampling_params=params)
+        assert all(len(o.token_ids) == 40 for o in outs)
+        assert admitted.count(False) == 2 and len(admitted) == 2 * SENTINEL_EVERY, admitted
+        assert len({f.slot for f in fed}) == 2  # only the sentinels' prompts went to the draft
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total

@@ -162,3 +162,48 @@ def test_tree_is_chosen_when_its_accept_lengths_pay():
     for _ in range(400):
         p.observe_accept("r", DraftShape(D, tree=True), 1)
     assert not p.choose(["r"], 1).tree
+
+
+def test_requests_are_admitted_dormant_only_when_drafting_does_not_pay():
+    """Costs 1.0 ms at depth 0 and 1.3 / 1.5 / 1.7 ms at depth 1..3. Taught acceptance 0.1 (the learned a_1
+    stays under 0.2 after 32 steps from the prior): depth 1 gives under 1.2 / 1.3 = 0.92 tokens per ms
+    and deeper less, so with the 5% margin drafting loses to depth 0's 1.0: new requests are dormant, but
+    every eighth keeps its draft (a sentinel). Acceptance 0.9: depth 1 alone gives about 1.9 / 1.3: nobody
+    is dormant."""
+    from tandem.speculative.policy import DORMANT_MIN_OBSERVATIONS, SENTINEL_EVERY
+
+    costs = {8: [1.0, 1.3, 1.5, 1.7]}
+    p = policy_with_costs(costs)
+    assert not p.admit("early", 8)  # the prior alone never makes a request dormant
+    teach(p, [0.1, 0.1, 0.1], steps=DORMANT_MIN_OBSERVATIONS)
+    assert p.acceptance[0] < 0.2 and all(a <= 0.6 for a in p.acceptance)
+    admitted = [p.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY)]
+    assert admitted.count(False) == 2 and admitted[SENTINEL_EVERY - 1] is False
+    assert p.dormant == {f"q{i}" for i, d in enumerate(admitted) if d}
+    assert not p.admit("unknown batch", 64)  # no cost table there: keep the draft
+
+    q = policy_with_costs(costs)
+    teach(q, [0.9, 0.9, 0.9], steps=DORMANT_MIN_OBSERVATIONS)
+    assert q.acceptance[0] > 0.8
+    assert not any(q.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY))
+
+
+def test_dormant_rows_accept_nothing_and_teach_nothing():
+    """A dormant request's drafts come from no state: the policy counts it as 1 token at every depth and
+    ignores its accept lengths. Batch of 8 at costs 1.0 / 1.5 / 2.0 / 2.5 ms, acceptance 0.9: 8 drafted
+    rows make depth 3 pay (8 * 3.44 / 2.5 = 11.0 per ms against 8.0); with 7 of them dormant, depth 0
+    (8 / 1.0) beats depth 3 ((7 + 3.44) / 2.5 = 4.2). (The learned rates are above 0.8, not exactly 0.9.)"""
+    p = policy_with_costs({8: [1.0, 1.5, 2.0, 2.5]}, probe_every=10**9)
+    teach(p, [0.9, 0.9, 0.9], steps=64)
+    rows = [f"r{i}" for i in range(8)]
+    assert p.choose(rows, 8) == DraftShape(3)
+    p.dormant.update(rows[1:])
+    a1, a2, a3 = p.acceptance
+    assert min(p.acceptance) > 0.8
+    assert p.expected_tokens(rows, DraftShape(3)) == pytest.approx(7 + 1 + a1 + a1 * a2 + a1 * a2 * a3)
+    assert p.choose(rows, 8) == DraftShape(0)
+    before = list(p.acceptance)
+    p.observe_accept("r1", DraftShape(3), 1)
+    assert p.acceptance == before
+    p.forget(["r1"])
+    assert "r1" not in p.dormant

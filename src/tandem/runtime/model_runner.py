@@ -248,7 +248,8 @@ class ModelRunner:
                 logger.info("adaptive speculation is not implemented for MTP drafting: it drafts %d steps always",
                             spec.num_steps)
             else:
-                policy = DepthPolicy(spec.num_steps, tree=spec.eagle_topk > 1)
+                # Tensor parallelism: every rank must keep the same draft state, so no dormant requests.
+                policy = DepthPolicy(spec.num_steps, tree=spec.eagle_topk > 1, dormancy=self.tp.size == 1)
         return SpecWorker(self, drafter, spec.num_draft_tokens, streams, self.sampling, policy)
 
     def _pages_that_fit(self, draft) -> int:

@@ -15,6 +15,14 @@ timed at start-up when graphs are captured, refined by every step's measured tim
 grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
 waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
 
+Dormant requests: keeping a draft's state costs even while nothing is drafted (its prefill, and a
+catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
+32, 64 and 128, 8B shape, H200). So once the engine's measured acceptance says drafting does not pay at the
+running batch size, new requests are admitted *dormant* (`admit`): no draft prefill, no catch-ups; they
+decode at depth 0, and in a step that drafts for others they count as rows that accept nothing (their
+drafts come from no state, which is harmless: the target's tokens decide). Every SENTINEL_EVERY-th request
+keeps its draft, so acceptance stays measured (its probes), and new requests draft again once it pays.
+
 Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
 Only the steps' cost and the accept lengths depend on the choice. Pure Python: unit-tested with a
 hand-made cost table.
@@ -30,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 # Start-up timing (several replays of a graph on padded rows) counts as this many online observations.
 TRUSTED_OBSERVATIONS = 10
+# Dormant admission (see above): one request in this many keeps its draft while others are admitted
+# dormant; the engine's acceptance needs this many observations of position 1 before any request is; and
+# drafting must lose by this margin (relative tokens per ms) at the running batch size.
+SENTINEL_EVERY = 8
+DORMANT_MIN_OBSERVATIONS = 32
+DORMANT_MARGIN = 0.05
 
 
 @dataclass
@@ -74,7 +88,7 @@ class DraftShape:
 class DepthPolicy:
     def __init__(self, num_steps: int, tree: bool, decay: float = 0.05, min_request_obs: int = 8,
                  probe_every: int = 32, probe_budget: float = 0.005, prior: float = 0.6, prior_weight: float = 1.0,
-                 hysteresis: float = 0.03):
+                 hysteresis: float = 0.03, dormancy: bool = True):
         """decay: weight of each new observation in the averages; min_request_obs: observations before a
         request's own acceptance replaces the engine's; probe_every, probe_budget: while a shorter option
         than the deepest is chosen, the deepest runs once every probe_every steps of a batch size, or
@@ -83,7 +97,8 @@ class DepthPolicy:
         lost to plain decoding on an H200, 8B shape, batch 1); prior: the acceptance assumed
         before any observation, worth prior_weight observations (one early rejection must not look like
         a rate of 0); hysteresis: how much better (relative) another option must look before the choice
-        for a batch size moves (measured costs are noisy)."""
+        for a batch size moves (measured costs are noisy); dormancy: whether `admit` may admit requests
+        dormant (off under tensor parallelism, whose ranks must agree on every request's draft state)."""
         self.num_steps = num_steps
         self.options = [DraftShape(d) for d in range(num_steps + 1)] + ([DraftShape(num_steps, True)] if tree else [])
         self.deepest = self.options[-1]
@@ -102,10 +117,14 @@ class DepthPolicy:
         # (padded batch table) -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
         self.catch_up_per_step_ms: dict = {}
         self._steps_since_probe: dict[int, int] = {}
+        self.dormancy = dormancy
+        self.dormant: set[str] = set()  # requests without draft state (see `admit`)
+        self._admitted = 0
 
     def reset_acceptance(self) -> None:
         """Back to the prior, as at start-up (the cost table stays)."""
         self.acceptance = [self.prior] * self.num_steps  # engine-wide a_1..a_D
+        self._accept_nothing = [1.0] * (self.num_steps + 1)  # a dormant request's expected tokens by depth
         self._seen = [0] * self.num_steps  # observations of each position
         self._engine_expected: list[float] | None = None  # expected_by_depth(acceptance), None when stale
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
@@ -126,6 +145,8 @@ class DepthPolicy:
         # A request's own rates start from the engine's, worth prior_weight observations, and are then
         # weighted as the engine's are (a slow moving average from the start kept the prior for
         # dozens of steps, and a request that never accepted a draft kept drafting).
+        if request_id in self.dormant:
+            return  # its drafts come from no state: they say nothing about the draft
         req = self._requests.get(request_id)
         if req is None:
             req = self._requests[request_id] = _RequestRates(list(self.acceptance), [0] * self.num_steps)
@@ -172,11 +193,38 @@ class DepthPolicy:
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
+            self.dormant.discard(rid)
+
+    # ---- dormant admission -------------------------------------------------------------------------------
+    def admit(self, request_id: str, padded_batch: int) -> bool:
+        """Called when a request's prompt starts (again, after a preemption): True if it is admitted
+        dormant, without draft state, because at `padded_batch` (the running batch's padded size) no
+        drafting option is expected to beat depth 0 by the engine's acceptance, with DORMANT_MARGIN to
+        spare; every SENTINEL_EVERY-th request keeps its draft all the same."""
+        self.dormant.discard(request_id)
+        if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
+            return False
+        self._admitted += 1
+        if self._admitted % SENTINEL_EVERY == 0:
+            return False
+        costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
+        if any(cost is None for cost in costs.values()):
+            return False
+        expected = expected_by_depth(self.acceptance)
+        depth0 = costs[DraftShape(0)]  # a dormant row defers nothing: no catch-up share
+        best_drafting = max((self.tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
+                            for shape in self.options if shape.drafts)
+        if best_drafting * (1 + DORMANT_MARGIN) >= 1.0 / depth0:
+            return False
+        self.dormant.add(request_id)
+        return True
 
     # ---- the choice ------------------------------------------------------------------------------------
     def _expected_of(self, request_id) -> list[float]:
         """A request's expected tokens at depth 0..D: its own rates once it has drafted min_request_obs
         steps, the engine's before (cached until the next observation)."""
+        if request_id in self.dormant:
+            return self._accept_nothing
         req = self._requests.get(request_id)
         if req is None or req.drafting_steps < self.min_request_obs:
             if self._engine_expected is None:
@@ -189,7 +237,8 @@ class DepthPolicy:
     def expected_tokens(self, request_ids, shape: DraftShape) -> float:
         """Sum over the batch of each request's expected tokens from one step of `shape`."""
         if shape.tree:
-            return self.tree_tokens * len(request_ids)
+            dormant = sum(rid in self.dormant for rid in request_ids)
+            return self.tree_tokens * (len(request_ids) - dormant) + dormant
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
     def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0) -> DraftShape:
@@ -209,7 +258,8 @@ class DepthPolicy:
         # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
         chain_tokens = [sum(column) + prefill_rows
                         for column in zip(*(self._expected_of(rid) for rid in request_ids))]
-        tree_tokens = self.tree_tokens * len(request_ids) + prefill_rows
+        dormant = sum(rid in self.dormant for rid in request_ids) if self.dormant else 0
+        tree_tokens = self.tree_tokens * (len(request_ids) - dormant) + dormant + prefill_rows
 
         deferral_ms = self.catch_up_per_step_ms.get(padded_batch, 0.0)
 

@@ -116,7 +116,7 @@ class SpecWorker:
         self.num_draft_tokens = num_draft_tokens
         self.streams = streams
         self.stats = SpecStats()
-        self.ready: set[str] = set()  # requests whose draft state can start a tree
+        self.ready: set[str] = set()  # requests that decode (verify rows); the policy's dormant ones have no draft state
         self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
         self.policy = policy  # None: always the configured shape (--speculative-adaptive off)
         self._last_collect = 0.0
@@ -211,17 +211,18 @@ class SpecWorker:
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
-        catch_up_window = self._plan_catch_up(handle.verify_ids, shape)
+        catch_up_window, catch_up_rows = self._plan_catch_up(handle.verify_ids, shape)
         needs_catch_up = catch_up_window > 0
         if needs_catch_up:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
-            handle.catch_up_ms = self.catch_up_ms.get(handle.padded_batch, 0.0)
+            rows = b if catch_up_rows is None else len(catch_up_rows)
+            handle.catch_up_ms = self.catch_up_ms.get(self.padded_batch(rows), 0.0)
             handle.catch_up_lag = catch_up_window
         graphed = graph_features(features)
         if self.phases.iteration_graphed(b, graphed, shape) or (
                 features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
-            self._launch_verify_graphed(b, graphed, shape, handle, outputs, needs_catch_up)
+            self._launch_verify_graphed(b, graphed, shape, handle, outputs, needs_catch_up, catch_up_rows)
             return
 
         # Plan stream: upload, then the verify plan.
@@ -249,7 +250,7 @@ class SpecWorker:
         s.read(f"page_rows[{it}]", "main")
         if needs_catch_up:
             started = time.perf_counter()
-            self.phases.catch_up(slots, page_rows, kv_bound, catch_up_window)
+            self.phases.catch_up(*self._catch_up_rows(slots, page_rows, catch_up_rows), kv_bound, catch_up_window)
             if runner.device.type != "cuda":
                 handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
         s.write(f"draft_tree[{it}]", "main")
@@ -340,19 +341,35 @@ class SpecWorker:
         rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n
         return feature[rows]
 
-    def _plan_catch_up(self, request_ids: list[str], shape: DraftShape) -> int:
+    def _dormant(self, request_id: str) -> bool:
+        return self.policy is not None and request_id in self.policy.dormant
+
+    def _plan_catch_up(self, request_ids: list[str], shape: DraftShape) -> tuple[int, list[int] | None]:
         """Whether this step first runs the draft over deferred tokens (before a step that drafts, or
-        when a deferring step would overflow a lag buffer): the largest lag it catches up, or 0.
+        when a deferring step would overflow a lag buffer): the largest lag it catches up (0: none), and
+        the batch rows it runs on (None: all; dormant rows keep no draft state, so never catch up).
         Updates the host mirror of the lags."""
-        lags = [self.lag.get(rid, 0) for rid in request_ids]
+        kept = [i for i, rid in enumerate(request_ids) if not self._dormant(rid)]
+        lags = [self.lag.get(request_ids[i], 0) for i in kept]
         needed = any(lags) and (shape.drafts or max(lags) >= self.pool.catch_up_window)
-        for rid, lag in zip(request_ids, lags):
-            lag = 0 if needed else lag
+        for i, lag in zip(kept, lags):
+            rid, lag = request_ids[i], 0 if needed else lag
             if shape.drafts:
                 self.lag.pop(rid, None)
             else:
                 self.lag[rid] = lag + 1
-        return max(lags) if needed else 0
+        if not needed:
+            return 0, None
+        return max(lags), (None if len(kept) == len(request_ids) else kept)
+
+    def _catch_up_rows(self, slots, page_rows, rows: list[int] | None):
+        """The slots and page rows a catch-up runs on: the batch's, or (dormant rows left out) those of
+        `rows`, uploaded from the host staging."""
+        if rows is None:
+            return slots, page_rows
+        pool, device = self.pool, self.runner.device
+        return (to_device(pool.staging_slots[rows], device, torch.long),
+                to_device(pool.staging_pages[rows], device, torch.long))
 
     def _synthetic_coins(self, tree: DraftTree):
         """BENCHMARK ONLY: `tandem bench --synthetic-acceptance P` (tandem.bench.synthetic.install) sets
@@ -379,7 +396,7 @@ class SpecWorker:
 
     # ---- the whole iteration as one CUDA graph -----------------------------------------------
     def _launch_verify_graphed(self, b: int, features: SamplingFeatures, shape: DraftShape, handle: SpecStepHandle,
-                               outputs, needs_catch_up: bool) -> None:
+                               outputs, needs_catch_up: bool, catch_up_rows: list[int] | None = None) -> None:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
         pool's device state, so there is nothing for the plan stream to prepare in parallel. A constrained
         step that drafts replays two graphs, the draft and the rest, with the host's tree masks between."""
@@ -404,7 +421,7 @@ class SpecWorker:
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
         if needs_catch_up:
-            self.phases.catch_up(slots, page_rows, self.phases.graph_kv_width)
+            self.phases.catch_up(*self._catch_up_rows(slots, page_rows, catch_up_rows), self.phases.graph_kv_width)
         if features.constrained and shape.drafts:
             s.write(f"draft_tree[{it}]", "main")
             tree = self.phases.draft_half(shape, slots, page_rows)
@@ -525,6 +542,8 @@ class SpecWorker:
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
+                if self.policy is not None:  # dormant: no draft prefill, no catch-ups (policy.admit)
+                    self.policy.admit(c.request_id, self.padded_batch(len(self.ready) + 1))
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
         handle.prompt_logprob_rows = prompt_logprobs.rows_for(chunks, first_row)
@@ -559,10 +578,20 @@ class SpecWorker:
             handle.prefill_ids = [c.request_id for c in sampling]
             for c in sampling:
                 self.ready.add(c.request_id)
+        dormant = [c for c in chunks if self._dormant(c.request_id)]
+        if dormant:
+            # Drafts of a dormant row (in steps that draft for others) start from its own positions.
+            done = [c for c in dormant if c.sample]
+            if done:
+                pool.draft_entries[to_device([pool.slot(c.request_id) for c in done], runner.device, torch.long)] = \
+                    to_device([c.end_pos + 1 - self.drafter.model.token_offset for c in done], runner.device,
+                              torch.long)
         feature = self._feature(hidden, aux)
         feeds, sampled_row = [], {}
         sampled_index = {c.request_id: i for i, c in enumerate(sampling)}
         for c in chunks:
+            if self._dormant(c.request_id):
+                continue
             first = first_row[c.request_id]
             feat = feature[first:first + len(c.token_ids)] if feature is not None else None
             feed = self._prefill_feed(c, feat)
