@@ -116,7 +116,7 @@ class SpecWorker:
         self.num_draft_tokens = num_draft_tokens
         self.streams = streams
         self.stats = SpecStats()
-        self.ready: set[str] = set()  # requests that decode (verify rows); the policy's dormant ones have no draft state
+        self.ready: set[str] = set()  # requests that decode (verify rows); the policy's dormant ones lack draft state
         self._last: SpecStepHandle | None = None  # previous iteration (its events feed this one)
         self.policy = policy  # None: always the configured shape (--speculative-adaptive off)
         self._last_collect = 0.0
@@ -539,11 +539,14 @@ class SpecWorker:
     # ---- prefill rows: CPU-planned, results stay on the device ------------------------------
     def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs) -> None:
         runner, pool, s = self.runner, self.pool, self.streams
+        # The batch a new request joins: the decoding requests and those whose prompts run now.
+        prompts = {c.request_id for c in chunks}
+        joins = self.padded_batch(len(self.ready - prompts) + len(prompts))
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
                 if self.policy is not None:  # dormant: no draft prefill, no catch-ups (policy.admit)
-                    self.policy.admit(c.request_id, self.padded_batch(len(self.ready) + 1))
+                    self.policy.admit(c.request_id, joins)
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
         handle.prompt_logprob_rows = prompt_logprobs.rows_for(chunks, first_row)
