@@ -4,6 +4,8 @@
 #         depth 0's cost over plain decoding (graph replays and kernels) at four batch sizes.
 # PASS=b: the adaptive sweep (8B shape, three interleaved runs per point), then the sampling benchmark
 #         (greedy, T 1, top-p, penalty + logprobs) in the 8B shape.
+# PASS=c: every GPU test again (after dormant admission), the demo pair's sampling benchmark (five runs per
+#         point), and a profile of its batch-32 greedy and T 1 steps (GPU busy time against wall time).
 #   PASS=a OUT=/tmp/pass bash bench/h200_pass5.sh      (xgrammar importable for the structured tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,16 @@ if [ "${PASS:-a}" = a ]; then
     timeout -k 5 ${DEPTH0_S:-150} python bench/depth0_cost.py --shape llama-3.1-8b --batch-sizes 1 32 64 128 \
         --out "$OUT/depth0_cost_h200.json" > "$OUT/depth0_cost.log" 2>&1
     grep -E "^batch|Error" "$OUT/depth0_cost.log"; echo "depth 0: $(( $(date +%s) - t )) s"
+elif [ "${PASS}" = c ]; then
+    TESTS_S=${TESTS_S:-280} OUT="$OUT" bash bench/h200_tests.sh
+    t=$(date +%s)
+    timeout -k 5 ${SAMPLING_S:-100} python bench/sampling_bench.py --shapes demo --batch-sizes 1 8 32 --repeats 5 \
+        --out "$OUT/sampling_demo_h200.json" > "$OUT/sampling_demo.log" 2>&1
+    grep -A14 "^demo:" "$OUT/sampling_demo.log"; echo "sampling (demo): $(( $(date +%s) - t )) s"
+    t=$(date +%s)
+    timeout -k 5 ${PROFILE_S:-70} python bench/sampled_step_profile.py --batch 32 --out "$OUT/sampled_step_profile_h200.json" \
+        > "$OUT/sampled_step_profile.log" 2>&1
+    grep -vE "USDT|loading" "$OUT/sampled_step_profile.log" | head -40; echo "profile: $(( $(date +%s) - t )) s"
 else
     t=$(date +%s)
     timeout -k 5 ${SWEEP_S:-400} python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
