@@ -205,4 +205,13 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         assert all(len(o.token_ids) == 40 for o in outs)
         assert admitted.count(False) == 2 and len(admitted) == 2 * SENTINEL_EVERY, admitted
         assert len({f.slot for f in fed}) == 2  # only the sentinels' prompts went to the draft
+        assert spec.stats.dormant_admitted == 2 * SENTINEL_EVERY - 2
+        # What `tandem bench` reports per run: steps by depth, catch-ups, dormant admissions.
+        from tandem.bench.measure import run_batch
+
+        metrics, _ = run_batch(e, PROMPTS[:SENTINEL_EVERY], 40)
+        assert metrics.dormant_admitted == SENTINEL_EVERY - 1
+        # Depth 0 but for probes; the one sentinel catches up once per 32 deferred steps (40 tokens: <= 2).
+        assert metrics.steps_by_depth[0] >= metrics.decode_iterations and sum(metrics.steps_by_depth[1:]) <= 2
+        assert 1 <= metrics.catch_ups <= 2
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total

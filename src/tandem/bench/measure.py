@@ -31,6 +31,10 @@ class RunMetrics:
     mean_accept_length: float | None = None  # tokens per verify step (accepted drafts + 1); spec only
     accept_per_position: list[float] | None = None  # share of verify steps that accepted draft k+1; spec only
     grammar_mask_ms_per_step: float | None = None  # host time of grammar masks per engine step (--json-schema)
+    # Adaptive speculation, this run: engine steps by chosen depth, catch-ups, requests admitted dormant.
+    steps_by_depth: list[int] | None = None
+    catch_ups: int | None = None
+    dormant_admitted: int | None = None
 
     def as_dict(self) -> dict:
         return {k: rounded(v) for k, v in asdict(self).items()}
@@ -107,6 +111,10 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
             metrics.mean_accept_length = 1 + (after[1] - before[1]) / drafts
             old = before[2] + [0] * (len(after[2]) - len(before[2]))
             metrics.accept_per_position = [(a - b) / drafts for a, b in zip(after[2], old)]
+        if spec.policy is not None:
+            old_steps = before[3] + [0] * (len(after[3]) - len(before[3]))
+            metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
+            metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
     return metrics, tokens
 
 
@@ -115,12 +123,14 @@ def _grammar_time(engine) -> float:
     return 0.0 if grammar is None else grammar.mask_seconds
 
 
-def _spec_counts(spec) -> tuple[int, int, list[int]]:
-    """Verify steps, accepted drafts, and accepted drafts per depth, so far (the stats are cumulative)."""
+def _spec_counts(spec) -> tuple[int, int, list[int], list[int], int, int]:
+    """Verify steps, accepted drafts, accepted drafts per depth, steps by depth, catch-ups and dormant
+    admissions, so far (the stats are cumulative)."""
     if spec is None:
-        return 0, 0, []
+        return 0, 0, [], [], 0, 0
     s = spec.stats
-    return s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_position)
+    return (s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_position), list(s.steps_by_depth),
+            s.catch_ups, s.dormant_admitted)
 
 
 def _sync(engine) -> None:

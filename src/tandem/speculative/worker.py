@@ -59,6 +59,8 @@ class SpecStats:
     num_accepted_tokens: int = 0  # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] -> accepted count
     steps_by_depth: list[int] = field(default_factory=list)  # [depth] -> engine steps that drafted that deep
+    catch_ups: int = 0  # steps that first ran the draft over deferred tokens (speculative/catch_up.py)
+    dormant_admitted: int = 0  # requests admitted without draft state (policy.admit)
 
     def record(self, accept_len: int, num_proposed: int, max_depth: int) -> None:
         self.num_drafts += 1
@@ -214,6 +216,7 @@ class SpecWorker:
         catch_up_window, catch_up_rows = self._plan_catch_up(handle.verify_ids, shape)
         needs_catch_up = catch_up_window > 0
         if needs_catch_up:
+            self.stats.catch_ups += 1
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
             rows = b if catch_up_rows is None else len(catch_up_rows)
@@ -545,8 +548,8 @@ class SpecWorker:
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
-                if self.policy is not None:  # dormant: no draft prefill, no catch-ups (policy.admit)
-                    self.policy.admit(c.request_id, joins)
+                if self.policy is not None and self.policy.admit(c.request_id, joins):
+                    self.stats.dormant_admitted += 1  # dormant: no draft prefill, no catch-ups
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
         handle.prompt_logprob_rows = prompt_logprobs.rows_for(chunks, first_row)
