@@ -20,7 +20,7 @@ class CyclingPolicy(DepthPolicy):
         super().__init__(base.num_steps, tree=base.deepest.tree)
         self.turn = 0
 
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0):
+    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None):
         self.turn += 1
         return self.options[self.turn % len(self.options)]
 

@@ -207,3 +207,20 @@ def test_dormant_rows_accept_nothing_and_teach_nothing():
     assert p.acceptance == before
     p.forget(["r1"])
     assert "r1" not in p.dormant
+
+
+def test_catch_up_charge_is_that_of_the_rows_that_defer():
+    """Depth 0 owes the catch-ups of the rows that defer, at their padded size. Costs 1.0 / 1.1 / 1.2 /
+    1.3 ms, nothing accepted (a = 0: every option yields 1 token a row). A catch-up share of 0.2 ms a step
+    for 32 rows makes depth 0 cost 1.2 ms, more than a chain of one (1.1 ms: chosen, though it drafts in
+    vain); with 28 of the 32 dormant, 4 rows defer and owe 0.01 ms: depth 0 (1.01 ms) again; with no row
+    deferring, it owes nothing."""
+    p = policy_with_costs({32: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9, hysteresis=0.0)
+    teach(p, [0.0, 0.0, 0.0])
+    p.observe_catch_up(32, 0.2)
+    p.observe_catch_up(4, 0.01)
+    rows = [f"r{i}" for i in range(32)]
+    assert p.choose(rows, 32) == DraftShape(1)  # the default: the whole batch defers
+    assert p.choose(rows, 32, catch_up_batch=32) == DraftShape(1)
+    assert p.choose(rows, 32, catch_up_batch=4) == DraftShape(0)
+    assert p.choose(rows, 32, catch_up_batch=0) == DraftShape(0)

@@ -118,12 +118,15 @@ class SpecPhases:
         return self.graphs[_verify_commit_key(features, shape)](slots, page_rows, tree.tokens, tree.parents,
                                                                 tree.depths, coins, use_coins, allowed)
 
+    def catch_up_graphed(self, rows: int) -> bool:
+        graph = self.graphs.get("catch_up")
+        return graph is not None and graph.fits(rows)
+
     def catch_up(self, slots, page_rows, kv_bound: int, window: int | None = None) -> None:
         """The draft over every row's deferred tokens (speculative/catch_up.py); `window`: the batch's
         largest lag (eager steps run that many queries per row, the graph the whole buffer)."""
-        graph = self.graphs.get("catch_up")
-        if graph is not None and graph.fits(slots.shape[0]):
-            graph(slots, page_rows)
+        if self.catch_up_graphed(slots.shape[0]):
+            self.graphs["catch_up"](slots, page_rows)
         else:
             self.drafter.catch_up(slots, page_rows, kv_bound, self.runner.sink_slot, window)
 

@@ -183,9 +183,14 @@ class DepthPolicy:
         self._time_seen[key] = count + 1
 
     def observe_catch_up(self, padded_batch: int, ms_per_deferred_step: float, constrained: bool = False) -> None:
-        """A catch-up's time divided by the depth-0 steps it caught up: added to depth 0's cost (before,
-        it was taken off the drafting step that ran it and charged to no option, so depth 0 looked
-        cheaper than it is: by 4.5% on a CPU, where the draft costs a fifth of the target per token)."""
+        """A catch-up's time per deferred step it can hold, for `padded_batch` catching-up rows: added to
+        depth 0's cost (before, it was taken off the drafting step that ran it and charged to no option,
+        so depth 0 looked cheaper than it is: by 4.5% on a CPU, where the draft costs a fifth of the
+        target per token). The caller divides by the queries the catch-up ran (a graph always runs the
+        whole window): divided by the lag instead, a catch-up forced by a probe a few steps after the
+        last one charged depth 0 its whole cost for a few steps, and once that made a drafting option
+        look cheaper, no depth-0 step ran again to correct it (on an H200 at batch 32, chains of one at
+        acceptance 0, 0.6 ms a step over depth 0)."""
         key = _table(padded_batch, constrained)
         old = self.catch_up_per_step_ms.get(key)
         self.catch_up_per_step_ms[key] = ms_per_deferred_step if old is None else old + 0.2 * (ms_per_deferred_step - old)
@@ -241,14 +246,16 @@ class DepthPolicy:
             return self.tree_tokens * (len(request_ids) - dormant) + dormant
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
-    def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0) -> DraftShape:
+    def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0,
+               catch_up_batch: int | None = None) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
         keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
         batch has a grammar-constrained row (its own cost table). `prefill_rows`: requests whose prompt
         chunks share the step; they count as rows that accept nothing (one token's worth each), because
         drafting lengthens their step too and delays their first token (on an H200 at batch 128, drafting
-        in the prompt-processing steps cost 20-45 ms of time to first token)."""
+        in the prompt-processing steps cost 20-45 ms of time to first token). `catch_up_batch`: the padded
+        size of the rows that defer at depth 0 (dormant ones do not; 0: none), default the batch's."""
         padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
@@ -261,7 +268,8 @@ class DepthPolicy:
         dormant = sum(rid in self.dormant for rid in request_ids) if self.dormant else 0
         tree_tokens = self.tree_tokens * (len(request_ids) - dormant) + dormant + prefill_rows
 
-        deferral_ms = self.catch_up_per_step_ms.get(padded_batch, 0.0)
+        deferring = padded_batch if catch_up_batch is None else _table(catch_up_batch, constrained)
+        deferral_ms = self.catch_up_per_step_ms.get(deferring, 0.0) if catch_up_batch != 0 else 0.0
 
         def rate(shape):
             tokens = tree_tokens if shape.tree else chain_tokens[shape.depth]

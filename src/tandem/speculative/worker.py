@@ -99,7 +99,8 @@ class SpecStepHandle:
     padded_batch: int = 0  # the batch size the policy keys its cost table by
     constrained: bool = False  # a verify row has a grammar (the policy's other cost table)
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
-    catch_up_lag: int = 0  # the deferred steps that catch-up paid for (the batch's largest lag)
+    catch_up_queries: int = 0  # queries per row it ran: the deferred steps it could hold (0: no catch-up)
+    catch_up_batch: int = 0  # the padded size of the rows it caught up (dormant rows never do)
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
@@ -155,6 +156,9 @@ class SpecWorker:
         catch_up_graph = self.phases.graphs.get("catch_up")
         for bs, graph in (catch_up_graph.graphs.items() if catch_up_graph is not None else ()):
             self.catch_up_ms[bs] = _replay_ms(graph, replays)
+            for constrained in (False, True):  # depth 0's share of it, before any catch-up runs
+                self.policy.observe_catch_up(bs, self.catch_up_ms[bs] / self.pool.catch_up_window,
+                                             constrained=constrained)
         torch.cuda.synchronize(self.runner.device)
 
     def padded_batch(self, b: int) -> int:
@@ -174,9 +178,11 @@ class SpecWorker:
         if self.policy is None or not verify:
             return None
         prefill_rows = len({c.request_id for c in sched.chunks if not self.is_verify(c)})
+        deferring = sum(not self._dormant(c.request_id) for c in verify)
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
                                   constrained=any(c.sampling_params.constrained for c in verify),
-                                  prefill_rows=prefill_rows)
+                                  prefill_rows=prefill_rows,
+                                  catch_up_batch=self.padded_batch(deferring) if deferring else 0)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
@@ -220,8 +226,10 @@ class SpecWorker:
             # On a CPU launching runs the step, so the catch-up is timed where it runs (below); on a GPU
             # its time comes from start-up timing of its graph.
             rows = b if catch_up_rows is None else len(catch_up_rows)
-            handle.catch_up_ms = self.catch_up_ms.get(self.padded_batch(rows), 0.0)
-            handle.catch_up_lag = catch_up_window
+            handle.catch_up_batch = self.padded_batch(rows)
+            handle.catch_up_ms = self.catch_up_ms.get(handle.catch_up_batch, 0.0)
+            # A graph runs every row's whole buffer; an eager catch-up the batch's largest lag.
+            handle.catch_up_queries = pool.catch_up_window if self.phases.catch_up_graphed(rows) else catch_up_window
         graphed = graph_features(features)
         if self.phases.iteration_graphed(b, graphed, shape) or (
                 features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
@@ -705,8 +713,8 @@ class SpecWorker:
             catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
             self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms,
                                      constrained=handle.constrained)
-            if handle.catch_up_lag:  # the depth-0 steps that deferred the work pay for it
-                self.policy.observe_catch_up(handle.padded_batch, catch_up_ms / handle.catch_up_lag,
+            if handle.catch_up_queries:  # the depth-0 steps that deferred the work pay for it
+                self.policy.observe_catch_up(handle.catch_up_batch, catch_up_ms / handle.catch_up_queries,
                                              constrained=handle.constrained)
 
 
