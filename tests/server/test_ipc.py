@@ -15,7 +15,7 @@ def test_round_trip():
         ipc.CoreOutputs(
             [ipc.TokenDelta("r1", [4, 5], [TokenLogprob(4, -0.5, [(4, -0.5), (7, -1.0)]), TokenLogprob(5, -0.1)],
                             "stop", 2, [None, TokenLogprob(2, -3.0, [(1, -0.2)])])],
-            ipc.EngineStats(1, 2, 3, 8, ipc.SpecCounters(4, 12, 5, [3, 2, 0], 2.25))),
+            ipc.EngineStats(1, 2, 3, 8, ipc.SpecCounters(4, 12, 5, [3, 2, 0], 2.25, [1, 0, 3], [0.5, 0.4, 0.3], 2, 7))),
         ipc.RequestRejected("r3", "prompt is empty"),
         ipc.CoreFailed("boom"),
     ]

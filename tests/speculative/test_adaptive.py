@@ -214,4 +214,15 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         # Depth 0 but for probes; the one sentinel catches up once per 32 deferred steps (40 tokens: <= 2).
         assert metrics.steps_by_depth[0] >= metrics.decode_iterations and sum(metrics.steps_by_depth[1:]) <= 2
         assert 1 <= metrics.catch_ups <= 2
+        # /metrics exports both counts from the core's stats snapshot.
+        from types import SimpleNamespace
+
+        from tandem.engine.core import EngineCore
+        from tandem.server.metrics import ReplicaStatus, ServerMetrics
+
+        snapshot = EngineCore.stats(SimpleNamespace(engine=e))
+        text = ServerMetrics(lambda: [ReplicaStatus(0, True, snapshot, 0, 0)], speculative=True).render().decode()
+        assert f'tandem:spec_decode_dormant_requests_total{{replica="0"}} {float(spec.stats.dormant_admitted)}' in text
+        assert f'tandem:spec_decode_catch_ups_total{{replica="0"}} {float(spec.stats.catch_ups)}' in text
+        assert spec.stats.catch_ups > 0
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total

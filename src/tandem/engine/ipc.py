@@ -68,6 +68,8 @@ class SpecCounters:
     mean_accept_length: float = 0.0
     steps_by_depth: list[int] = field(default_factory=list)  # engine steps per chosen draft depth (0..D)
     estimated_acceptance: list[float] = field(default_factory=list)  # the adaptive policy's a_1..a_D
+    catch_ups: int = 0  # steps that first ran the draft over tokens depth-0 steps deferred
+    dormant_admitted: int = 0  # requests the adaptive policy admitted without draft state
 
 
 @dataclass

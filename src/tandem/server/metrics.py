@@ -120,6 +120,9 @@ class _EngineCollector:
             ("num_drafts", "Verify steps", "num_drafts"),
             ("num_draft_tokens", "Draft tokens proposed", "num_draft_tokens"),
             ("num_accepted_tokens", "Draft tokens accepted", "num_accepted_tokens"),
+            ("catch_ups", "Steps that first ran the draft over the tokens depth-0 steps deferred", "catch_ups"),
+            ("dormant_requests", "Requests admitted without draft state (adaptive: drafting did not pay)",
+             "dormant_admitted"),
         ):
             yield counter(f"tandem:spec_decode_{name}", doc,
                           lambda r, s, field=field: getattr(s.spec, field) if s.spec else 0)
