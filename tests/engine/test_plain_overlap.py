@@ -113,3 +113,17 @@ def test_penalised_request_advances_every_step(ckpt, disable_overlap):
     finished_at, out = done[penalised]
     assert finished_at <= n + 2, f"{n} tokens took {finished_at} steps"
     assert out.token_ids == hf_greedy(ckpt[1], PROMPTS[1], n, repetition_penalty=1.3)
+
+
+def test_decode_graph_path_equals_transformers(ckpt, monkeypatch):
+    """Plain decoding through its (emulated) decode graph: the staging rows the host fills each step
+    (token, position, state row, future flag, page ids) must drive the same greedy output."""
+    monkeypatch.setenv("TANDEM_CUDA_GRAPH_EMULATE", "1")
+    engine = cpu_engine(ckpt[0], max_total_tokens=2048, cuda_graph_max_bs=8)
+    graphed, real = [], engine.runner._decode_graphed
+    monkeypatch.setattr(engine.runner, "_decode_graphed", lambda *a, **k: graphed.append(1) or real(*a, **k))
+    outs = run_staggered(engine, lambda i: SamplingParams(max_new_tokens=LENGTHS[i % 4], temperature=0.0,
+                                                          ignore_eos=True))
+    assert graphed, "no step replayed the decode graph"
+    for i, out in enumerate(outs):
+        assert out.token_ids == hf_greedy(ckpt[1], PROMPTS[i], LENGTHS[i % 4]), f"prompt {i}"

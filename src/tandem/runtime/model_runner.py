@@ -192,13 +192,17 @@ class ModelRunner:
             self._staging_in_use.synchronize()
         # [token, position, state row, token from the device?, page ids...] per row.
         staging = self._decode_staging[:b]
-        staging.zero_()
+        # Filled through a numpy view: a torch element or slice assignment per value cost 240 us a
+        # step at batch 32 on a CI CPU (20 us this way), on a path where the host is the bottleneck.
+        rows_np = staging.numpy()
+        rows_np[:] = 0
         for i, (c, pos) in enumerate(zip(sched.chunks, positions)):
-            staging[i, 0] = c.token_ids[0] if not c.is_future else 0
-            staging[i, 1] = pos
-            staging[i, 2] = self.plain_state.slot(c.request_id)
-            staging[i, 3] = int(c.is_future)
-            staging[i, 4:4 + len(c.page_ids)] = torch.tensor(c.page_ids)
+            row = rows_np[i]
+            row[0] = c.token_ids[0] if not c.is_future else 0
+            row[1] = pos
+            row[2] = self.plain_state.slot(c.request_id)
+            row[3] = int(c.is_future)
+            row[4:4 + len(c.page_ids)] = c.page_ids
         rows = staging.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._staging_in_use = torch.cuda.Event()
