@@ -20,7 +20,8 @@ class CyclingPolicy(DepthPolicy):
         super().__init__(base.num_steps, tree=base.deepest.tree)
         self.turn = 0
 
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None):
+    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
+               remaining=None):
         self.turn += 1
         return self.options[self.turn % len(self.options)]
 
@@ -96,7 +97,8 @@ def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models,
         steps = e.runner.spec.stats.steps_by_depth
     # Every observation was an accept: the averages climb from the prior (0.6) towards 1.
     assert all(a > 0.7 for a in policy.acceptance), policy.acceptance
-    assert steps[3] > 0 and not any(steps[:3]), steps
+    # Full depth throughout, but for a last step or two where fewer tokens remain than a chain of 3 yields.
+    assert steps[3] > 0 and not steps[0] and sum(steps[1:3]) <= 3, steps
 
 
 def test_adaptive_off_drafts_the_configured_depth_only(spec_models):

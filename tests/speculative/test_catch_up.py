@@ -26,7 +26,8 @@ class ScriptedPolicy(DepthPolicy):
         self.turn = 0
         self.zeros_run = zeros_run
 
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None):
+    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
+               remaining=None):
         self.turn += 1
         return self.deepest if self.turn % (self.zeros_run + 1) == 0 else self.options[0]
 

@@ -224,3 +224,19 @@ def test_catch_up_charge_is_that_of_the_rows_that_defer():
     assert p.choose(rows, 32, catch_up_batch=32) == DraftShape(1)
     assert p.choose(rows, 32, catch_up_batch=4) == DraftShape(0)
     assert p.choose(rows, 32, catch_up_batch=0) == DraftShape(0)
+
+
+def test_drafts_past_a_requests_last_token_are_worth_nothing():
+    """Acceptance 0.9 at costs 1.0 / 1.1 / 1.2 / 1.3 ms: one request drafts 3 (1 + 0.9 + 0.81 + 0.73 =
+    3.44 tokens in 1.3 ms). With 2 tokens left it can use one draft at most: depth 1 (1.9 / 1.1 = 1.73 per
+    ms) beats depth 3 (1.9 / 1.3 = 1.46); with 1 left, nothing drafted pays: depth 0."""
+    p = policy_with_costs({1: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9, hysteresis=0.0)
+    teach(p, [0.9, 0.9, 0.9])
+    assert min(p.acceptance) > 0.85
+    assert p.choose(["r"], 1) == DraftShape(3)
+    assert p.choose(["r"], 1, remaining=[10]) == DraftShape(3)
+    assert p.choose(["r"], 1, remaining=[2]) == DraftShape(1)
+    assert p.choose(["r"], 1, remaining=[1]) == DraftShape(0)
+    # In a batch, only the finishing request's tail is cut: two rows, one with 1 token left, one with
+    # many: depth 3 gives 1 + 3.44 in 1.3 ms (3.4 per ms) against depth 0's 2 in 1.0.
+    assert p.choose(["r", "s"], 1, remaining=[1, 50]) == DraftShape(3)

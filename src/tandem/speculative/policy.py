@@ -247,7 +247,7 @@ class DepthPolicy:
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
     def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0,
-               catch_up_batch: int | None = None) -> DraftShape:
+               catch_up_batch: int | None = None, remaining: list[int] | None = None) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
         keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
@@ -255,7 +255,10 @@ class DepthPolicy:
         chunks share the step; they count as rows that accept nothing (one token's worth each), because
         drafting lengthens their step too and delays their first token (on an H200 at batch 128, drafting
         in the prompt-processing steps cost 20-45 ms of time to first token). `catch_up_batch`: the padded
-        size of the rows that defer at depth 0 (dormant ones do not; 0: none), default the batch's."""
+        size of the rows that defer at depth 0 (dormant ones do not; 0: none), default the batch's.
+        `remaining`: per request, the tokens it may still emit (max_new_tokens less its outputs, an upper
+        bound): a step yields at most that many, so drafts past it are counted as worth nothing (they
+        would be accepted and dropped)."""
         padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
@@ -263,10 +266,17 @@ class DepthPolicy:
         # The batch's expected tokens at every chain depth in one pass, from cached per-request sums
         # (this runs on the host every step; a loop over requests per option took 47 us at batch 32
         # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
-        chain_tokens = [sum(column) + prefill_rows
-                        for column in zip(*(self._expected_of(rid) for rid in request_ids))]
-        dormant = sum(rid in self.dormant for rid in request_ids) if self.dormant else 0
-        tree_tokens = self.tree_tokens * (len(request_ids) - dormant) + dormant + prefill_rows
+        per_request = [self._expected_of(rid) for rid in request_ids]
+        tree_each = [1.0 if rid in self.dormant else self.tree_tokens for rid in request_ids]
+        if remaining is not None:
+            for i, left in enumerate(remaining):
+                if left <= self.num_steps:  # near its end: depth past left - 1 adds nothing
+                    left = max(left, 1)
+                    e = per_request[i]
+                    per_request[i] = e[:left] + [e[left - 1]] * (len(e) - left)
+                    tree_each[i] = min(tree_each[i], float(left))
+        chain_tokens = [sum(column) + prefill_rows for column in zip(*per_request)]
+        tree_tokens = sum(tree_each) + prefill_rows
 
         deferring = padded_batch if catch_up_batch is None else _table(catch_up_batch, constrained)
         deferral_ms = self.catch_up_per_step_ms.get(deferring, 0.0) if catch_up_batch != 0 else 0.0

@@ -179,10 +179,13 @@ class SpecWorker:
             return None
         prefill_rows = len({c.request_id for c in sched.chunks if not self.is_verify(c)})
         deferring = sum(not self._dormant(c.request_id) for c in verify)
+        # Tokens each may still emit: the root at start_pos is its newest (a lower bound for a future chunk).
+        remaining = [c.sampling_params.max_new_tokens - (c.start_pos + 1 - c.num_prompt_tokens) for c in verify]
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
                                   constrained=any(c.sampling_params.constrained for c in verify),
                                   prefill_rows=prefill_rows,
-                                  catch_up_batch=self.padded_batch(deferring) if deferring else 0)
+                                  catch_up_batch=self.padded_batch(deferring) if deferring else 0,
+                                  remaining=remaining)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
