@@ -174,6 +174,24 @@ def _decide(base, row, vocab, prev_ptr, prev_done_ptr, above_ptr, score_ptr, id_
 
 
 @triton.jit
+def _round_start(base, row, vocab, inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, kth_ptr, seed_ptr, position_ptr,
+                 part_score_ptr, part_id_ptr, part_max_ptr, part_mass_ptr, prev_ptr, prev_done_ptr, prev_above_ptr,
+                 prev_score_ptr, prev_id_ptr, FIRST: tl.constexpr, PARTS: tl.constexpr, MUL1: tl.constexpr,
+                 MUL2: tl.constexpr, SALT: tl.constexpr):
+    """What a pivot round and the settle both start from: the row's parameters, max, top-k mass and
+    lower bound (top-k, min-p), and the candidate to check now with whether the row is settled."""
+    inv_t, noise_scale, top_p, min_p, k1, k2, needs_mass = _row_params(
+        inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, row, MUL1, MUL2, SALT)
+    row_max, mass = _row_totals(part_max_ptr, part_mass_ptr, row, PARTS)
+    min_p_cut = tl.where(needs_mass & (min_p > 0.0), row_max + tl.log(min_p), float("-inf"))
+    lower = tl.maximum(tl.load(kth_ptr + row), min_p_cut)
+    check_nucleus = needs_mass & (top_p < 1.0)
+    candidate, done = _decide(base, row, vocab, prev_ptr, prev_done_ptr, prev_above_ptr, prev_score_ptr, prev_id_ptr,
+                              inv_t, lower, check_nucleus, top_p, mass, FIRST, part_score_ptr, part_id_ptr, PARTS)
+    return inv_t, noise_scale, top_p, k1, k2, row_max, mass, lower, check_nucleus, candidate, done
+
+
+@triton.jit
 def _pivot_round_kernel(logits_ptr, stride, vocab, chunk, inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, kth_ptr,
                         seed_ptr, position_ptr, part_score_ptr, part_id_ptr, part_max_ptr, part_mass_ptr,
                         prev_ptr, prev_done_ptr, prev_above_ptr, prev_score_ptr, prev_id_ptr,
@@ -187,14 +205,10 @@ def _pivot_round_kernel(logits_ptr, stride, vocab, chunk, inv_t_ptr, temperature
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     base = logits_ptr + row * stride
-    inv_t, noise_scale, top_p, min_p, k1, k2, needs_mass = _row_params(
-        inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, row, MUL1, MUL2, SALT)
-    row_max, mass = _row_totals(part_max_ptr, part_mass_ptr, row, PARTS)
-    min_p_cut = tl.where(needs_mass & (min_p > 0.0), row_max + tl.log(min_p), float("-inf"))
-    lower = tl.maximum(tl.load(kth_ptr + row), min_p_cut)
-    check_nucleus = needs_mass & (top_p < 1.0)
-    candidate, done = _decide(base, row, vocab, prev_ptr, prev_done_ptr, prev_above_ptr, prev_score_ptr, prev_id_ptr,
-                              inv_t, lower, check_nucleus, top_p, mass, FIRST, part_score_ptr, part_id_ptr, PARTS)
+    inv_t, noise_scale, top_p, k1, k2, row_max, mass, lower, check_nucleus, candidate, done = _round_start(
+        base, row, vocab, inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, kth_ptr, seed_ptr, position_ptr,
+        part_score_ptr, part_id_ptr, part_max_ptr, part_mass_ptr, prev_ptr, prev_done_ptr, prev_above_ptr,
+        prev_score_ptr, prev_id_ptr, FIRST, PARTS, MUL1, MUL2, SALT)
     if part == 0:
         tl.store(cand_ptr + row, candidate.to(tl.int32))
         tl.store(done_ptr + row, done)
@@ -229,14 +243,10 @@ def _settle_kernel(logits_ptr, stride, vocab, inv_t_ptr, temperature_ptr, top_p_
     its nucleus round after round) checks and races again alone over the whole row until a kept token wins."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
-    inv_t, noise_scale, top_p, min_p, k1, k2, needs_mass = _row_params(
-        inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, row, MUL1, MUL2, SALT)
-    row_max, mass = _row_totals(part_max_ptr, part_mass_ptr, row, PARTS)
-    min_p_cut = tl.where(needs_mass & (min_p > 0.0), row_max + tl.log(min_p), float("-inf"))
-    lower = tl.maximum(tl.load(kth_ptr + row), min_p_cut)
-    check_nucleus = needs_mass & (top_p < 1.0)
-    candidate, done = _decide(base, row, vocab, prev_ptr, prev_done_ptr, prev_above_ptr, prev_score_ptr, prev_id_ptr,
-                              inv_t, lower, check_nucleus, top_p, mass, FIRST, part_score_ptr, part_id_ptr, PARTS)
+    inv_t, noise_scale, top_p, k1, k2, row_max, mass, lower, check_nucleus, candidate, done = _round_start(
+        base, row, vocab, inv_t_ptr, temperature_ptr, top_p_ptr, min_p_ptr, kth_ptr, seed_ptr, position_ptr,
+        part_score_ptr, part_id_ptr, part_max_ptr, part_mass_ptr, prev_ptr, prev_done_ptr, prev_above_ptr,
+        prev_score_ptr, prev_id_ptr, FIRST, PARTS, MUL1, MUL2, SALT)
     winner = candidate
     searching = 1 - done
     while searching != 0:
