@@ -33,6 +33,13 @@ def teach(p: DepthPolicy, rate_per_position: list[float], steps=400, rid="r") ->
         p.observe_accept(rid, DraftShape(D), accepted + 1)
 
 
+def set_acceptance(p: DepthPolicy, rates: list[float]) -> None:
+    """The engine-wide rates, as if measured over many steps (requests without history use them)."""
+    p.acceptance = list(rates)
+    p._seen = [10**6] * D
+    p._engine_expected = None
+
+
 def test_expected_tokens_by_hand():
     p = DepthPolicy(D, tree=False, prior=0.5)
     # 1 + 0.5 + 0.25 + 0.125 for one request at depth 3; twice that for two.
@@ -210,13 +217,13 @@ def test_dormant_rows_accept_nothing_and_teach_nothing():
 
 
 def test_catch_up_charge_is_that_of_the_rows_that_defer():
-    """Depth 0 owes the catch-ups of the rows that defer, at their padded size. Costs 1.0 / 1.1 / 1.2 /
-    1.3 ms, nothing accepted (a = 0: every option yields 1 token a row). A catch-up share of 0.2 ms a step
-    for 32 rows makes depth 0 cost 1.2 ms, more than a chain of one (1.1 ms: chosen, though it drafts in
-    vain); with 28 of the 32 dormant, 4 rows defer and owe 0.01 ms: depth 0 (1.01 ms) again; with no row
+    """Depth 0 owes the catch-ups of the rows that defer, at their padded size. Costs 1.0 / 1.3 / 1.4 /
+    1.5 ms, position 1 accepted at a = 0.1 (nothing after). A catch-up share of 0.2 ms a step for 32 rows
+    makes depth 0 worth 1 / 1.2 = 0.833 tokens a row per ms, less than a chain of one's 1.1 / 1.3 = 0.846
+    (chosen); with 28 of the 32 dormant, 4 rows defer and owe 0.01 ms: depth 0 (0.990) again; with no row
     deferring, it owes nothing."""
-    p = policy_with_costs({32: [1.0, 1.1, 1.2, 1.3]}, probe_every=10**9, hysteresis=0.0)
-    teach(p, [0.0, 0.0, 0.0])
+    p = policy_with_costs({32: [1.0, 1.3, 1.4, 1.5]}, probe_every=10**9, hysteresis=0.0)
+    set_acceptance(p, [0.1, 0.0, 0.0])
     p.observe_catch_up(32, 0.2)
     p.observe_catch_up(4, 0.01)
     rows = [f"r{i}" for i in range(32)]
@@ -226,6 +233,43 @@ def test_catch_up_charge_is_that_of_the_rows_that_defer():
     assert p.choose(rows, 32, catch_up_batch=0) == DraftShape(0)
 
 
+def test_no_chain_costs_more_than_a_deeper_one():
+    """A table where depth 0 (with its catch-up share) or a short chain costs more than a deeper chain is
+    stale: each does a subset of the deeper one's work. At acceptance 0 every option yields one token a
+    row, so depth 0 is chosen whatever the stale entries say (before, 1.2 ms with its share against a
+    chain of one's 1.1 ms chose the chain, which drafts in vain)."""
+    p = policy_with_costs({32: [1.0, 1.1, 1.05, 1.3]}, probe_every=10**9, hysteresis=0.0)
+    set_acceptance(p, [0.0, 0.0, 0.0])
+    p.observe_catch_up(32, 0.2)
+    rows = [f"r{i}" for i in range(32)]
+    assert p.choose(rows, 32) == DraftShape(0)
+
+
+def test_a_cost_that_keeps_its_option_from_running_is_refreshed():
+    """The H200's worst sweep point (batch 32, acceptance 0): depth 0's cost in the table was too high,
+    so a chain of one ran, in vain, every step, and depth 0 never ran to correct its cost. Here the
+    table says depth 0 costs 1.12 ms and a chain of one 1.1 (true: 1.0 and 1.1) and the chain of one was
+    the last choice: hysteresis keeps it while depth 0 looks no better. A refresh runs depth 0 within
+    REFRESH_EVERY steps; its true time then moves the cost (1.12 -> 1.06: 3.8% better than the chain,
+    past the 3% hysteresis), and depth 0 is chosen from then on, but for one refresh of the chain of one
+    (within 10% of depth 0's rate; the chain of two, at 1.2 ms, is not) every REFRESH_EVERY steps."""
+    from tandem.speculative.policy import REFRESH_EVERY
+
+    true_ms = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}
+    p = policy_with_costs({32: [1.12, 1.1, 1.2, 1.3]}, probe_every=10**9)
+    set_acceptance(p, [0.0, 0.0, 0.0])
+    rows = [f"r{i}" for i in range(32)]
+    p._last_choice[32] = DraftShape(1)
+    chosen = []
+    for _ in range(4 * REFRESH_EVERY):
+        shape = p.choose(rows, 32, catch_up_batch=0)
+        chosen.append(shape.depth)
+        p.observe_time(32, shape, true_ms[shape.depth])
+    first = chosen.index(0)
+    assert first <= REFRESH_EVERY, chosen
+    after = chosen[first + 1:]
+    assert after.count(0) == len(after) - after.count(1), chosen
+    assert 0 < after.count(1) <= 3, chosen
 def test_drafts_past_a_requests_last_token_are_worth_nothing():
     """Acceptance 0.9 at costs 1.0 / 1.1 / 1.2 / 1.3 ms: one request drafts 3 (1 + 0.9 + 0.81 + 0.73 =
     3.44 tokens in 1.3 ms). With 2 tokens left it can use one draft at most: depth 1 (1.9 / 1.1 = 1.73 per

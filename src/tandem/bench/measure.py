@@ -35,6 +35,8 @@ class RunMetrics:
     steps_by_depth: list[int] | None = None
     catch_ups: int | None = None
     dormant_admitted: int | None = None
+    # The policy's cost table at the batch's padded size after the run (ms; what its choices rested on).
+    policy_costs_ms: dict | None = None
 
     def as_dict(self) -> dict:
         return {k: rounded(v) for k, v in asdict(self).items()}
@@ -115,6 +117,8 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
             old_steps = before[3] + [0] * (len(after[3]) - len(before[3]))
             metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
             metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
+            row = spec.policy.cost_row(spec.padded_batch(len(prompts)))
+            metrics.policy_costs_ms = {k: round(v, 4) for k, v in row.items()}
     return metrics, tokens
 
 

@@ -44,6 +44,15 @@ TRUSTED_OBSERVATIONS = 10
 SENTINEL_EVERY = 8
 DORMANT_MIN_OBSERVATIONS = 32
 DORMANT_MARGIN = 0.05
+# Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
+# within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
+# A cost is corrected only by running its option: without refreshes a cost that is too high (start-up
+# timing on a GPU still ramping its clocks, one slow step) keeps its option from ever running again, and
+# so from ever being corrected. On an H200 at batch 32 and acceptance 0 that kept a chain of one drafting
+# in vain every step (0.86x plain), twice.
+REFRESH_EVERY = 64
+REFRESH_MARGIN = 0.10
+REFRESH_WEIGHT = 0.5
 
 
 @dataclass
@@ -117,6 +126,9 @@ class DepthPolicy:
         # (padded batch table) -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
         self.catch_up_per_step_ms: dict = {}
         self._steps_since_probe: dict[int, int] = {}
+        self._steps: dict = {}  # table -> steps chosen at it
+        self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
+        self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self._admitted = 0
@@ -179,6 +191,9 @@ class DepthPolicy:
             self._time_seen[key] = max(count, TRUSTED_OBSERVATIONS)
             return
         w = max(self.decay, 1.0 / max(count, 1))
+        if key in self._refreshing:
+            self._refreshing.discard(key)
+            w = max(w, REFRESH_WEIGHT)
         self.cost_ms[key] = ms if old is None else old + w * (ms - old)
         self._time_seen[key] = count + 1
 
@@ -199,6 +214,15 @@ class DepthPolicy:
         for rid in request_ids:
             self._requests.pop(rid, None)
             self.dormant.discard(rid)
+
+    def cost_row(self, padded_batch: int) -> dict[str, float]:
+        """The cost table at one padded batch size, by option name, and depth 0's catch-up share (ms; for
+        reports)."""
+        row = {shape.name: self.cost_ms[(padded_batch, shape)] for shape in self.options
+               if (padded_batch, shape) in self.cost_ms}
+        if padded_batch in self.catch_up_per_step_ms:
+            row["catch_up_per_step"] = self.catch_up_per_step_ms[padded_batch]
+        return row
 
     # ---- dormant admission -------------------------------------------------------------------------------
     def admit(self, request_id: str, padded_batch: int) -> bool:
@@ -281,9 +305,10 @@ class DepthPolicy:
         deferring = padded_batch if catch_up_batch is None else _table(catch_up_batch, constrained)
         deferral_ms = self.catch_up_per_step_ms.get(deferring, 0.0) if catch_up_batch != 0 else 0.0
 
+        costs = self._effective_costs(padded_batch, deferral_ms)
+
         def rate(shape):
-            tokens = tree_tokens if shape.tree else chain_tokens[shape.depth]
-            return tokens / (self.cost_ms[(padded_batch, shape)] + (0.0 if shape.drafts else deferral_ms))
+            return (tree_tokens if shape.tree else chain_tokens[shape.depth]) / costs[shape]
 
         best = max(self.options, key=rate)
         # Steps with prompt chunks keep a choice of their own (they alternate with pure decode steps).
@@ -297,14 +322,41 @@ class DepthPolicy:
                         ", ".join(f"{a:.2f}" for a in self.acceptance))
             self._last_choice[key] = best
         if prefill_rows:
-            return best  # no probe where it would delay first tokens
+            return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
         if best != self.deepest and steps >= self._probe_interval(padded_batch, best, self.deepest):
             # The deepest option observes every position at once: one probe can show that a deep
             # draft pays even when the first position alone would not justify a chain of one.
             best, steps = self.deepest, 0
+        else:
+            best = self._refresh(padded_batch, best, rate)
         self._steps_since_probe[padded_batch] = steps
+        count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
+        self._run_at[(padded_batch, best)] = count
         return best
+
+    def _effective_costs(self, padded_batch, deferral_ms: float) -> dict[DraftShape, float]:
+        """Each option's cost at this table, depth 0's with its catch-up share, and no chain dearer than a
+        deeper one: a chain of d does a subset of the work of a chain of d + 1 (and depth 0's deferred
+        extends are the chain of one's own, batched), so a table that says otherwise holds a stale or
+        noisy cost, which must not decide (at acceptance 0 every chain yields what depth 0 yields)."""
+        costs = {shape: self.cost_ms[(padded_batch, shape)] for shape in self.options}
+        costs[DraftShape(0)] += deferral_ms
+        for d in range(self.num_steps - 1, -1, -1):
+            costs[DraftShape(d)] = min(costs[DraftShape(d)], costs[DraftShape(d + 1)])
+        return costs
+
+    def _refresh(self, padded_batch, best: DraftShape, rate) -> DraftShape:
+        """The option to run in place of `best` to re-time it: the best-rated one within REFRESH_MARGIN
+        of `best` that has not run at this table for REFRESH_EVERY steps (see REFRESH_EVERY), else best."""
+        steps, floor = self._steps.get(padded_batch, 0), rate(best) * (1 - REFRESH_MARGIN)
+        stale = [s for s in self.options if s != best and rate(s) >= floor
+                 and steps - self._run_at.get((padded_batch, s), 0) >= REFRESH_EVERY]
+        if not stale:
+            return best
+        shape = max(stale, key=rate)
+        self._refreshing.add((padded_batch, shape))
+        return shape
 
     def _probe_interval(self, padded_batch, chosen: DraftShape, probe: DraftShape) -> int:
         """Steps between probes: probe_every, or more where one probe step costs more than probe_budget
