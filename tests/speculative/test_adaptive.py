@@ -228,3 +228,35 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         assert f'tandem:spec_decode_catch_ups_total{{replica="0"}} {float(spec.stats.catch_ups)}' in text
         assert spec.stats.catch_ups > 0
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+
+
+def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, monkeypatch):
+    """A burst of 16 prompts is prefilled a chunk budget (64 tokens) at a time. Frozen costs where drafts
+    pay up to batch 4 (depth d: 1 + 0.01 d ms) and lose from batch 5 (1 + 0.6 d), synthetic acceptance
+    0.5 (BENCHMARK ONLY coins): at 16 rows the best chain yields 1.5 / 1.6 tokens per ms against depth
+    0's 1.0, so every request but the sentinels is admitted dormant, including those of the first
+    chunks, which the running batch alone (1-4 rows then) would have kept drafting."""
+    from tandem.bench import synthetic
+    from tandem.speculative import policy as policy_module
+    from tandem.speculative.policy import SENTINEL_EVERY
+
+    monkeypatch.setattr(policy_module, "DORMANT_MIN_OBSERVATIONS", 8)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        policy = e.runner.spec.policy
+        for bs in range(1, 17):
+            for shape in policy.options:
+                policy.cost_ms[(bs, shape)] = 1.0 + (0.01 if bs <= 4 else 0.6) * shape.depth
+        synthetic.install(e, 0.5)
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        e.generate(input_ids=PROMPTS[:4], sampling_params=params)
+        assert 0.3 < policy.acceptance[0] < 0.7, policy.acceptance
+        admitted = []
+        real_admit = policy.admit
+        monkeypatch.setattr(policy, "admit", lambda rid, padded: admitted.append((real_admit(rid, padded), padded))
+                            or admitted[-1][0])
+        e.generate(input_ids=PROMPTS[4:4 + 2 * SENTINEL_EVERY], sampling_params=params)
+        assert [padded for _, padded in admitted] == [2 * SENTINEL_EVERY] * (2 * SENTINEL_EVERY), admitted
+        assert [dormant for dormant, _ in admitted].count(True) == 2 * SENTINEL_EVERY - 2, admitted
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total

@@ -144,6 +144,20 @@ def test_max_num_seqs_caps_running_and_admission_is_fcfs():
     assert_all_pages_free(sched)
 
 
+def test_batch_ahead_counts_the_queued_requests_with_room_to_join():
+    """Six 8-token prompts, a budget of 16 tokens a step (two prompts), room for four: the first step runs
+    two prompts and says four rows are ahead (two running, two queued with room); once four run, the
+    two beyond the cap do not count."""
+    sched = create_scheduler(max_num_seqs=4, page_size=4, max_num_batched_tokens=16)
+    for i in range(6):
+        sched.add_request(create_request(i, prompt_len=8, max_new_tokens=4))
+    model = FakeModel(page_size=4)
+    out, _ = step(sched, model)
+    assert [c.request_id for c in out.chunks] == ["0", "1"] and out.batch_ahead == 4
+    out, _ = step(sched, model)
+    assert sched.num_running == 4 and out.batch_ahead == 4
+
+
 def test_head_of_queue_that_does_not_fit_blocks_later_requests():
     sched = create_scheduler(page_size=4, num_pages=6)
     sched.add_request(create_request("big0", prompt_len=16, max_new_tokens=8))  # 4 pages, then 5

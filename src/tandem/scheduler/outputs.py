@@ -50,6 +50,9 @@ class SchedulerOutput:
     # Finished or aborted since the previous schedule().
     finished_ids: tuple[str, ...] = ()
     iteration: int = 0  # pass back to Scheduler.update with this step's tokens
+    # The running batch once the waiting requests it has room for are admitted (they join within a few
+    # steps: a burst of prompts is prefilled a chunk budget at a time).
+    batch_ahead: int = 0
 
     @property
     def num_tokens(self) -> int:

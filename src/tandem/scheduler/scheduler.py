@@ -104,8 +104,9 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(chunks, budget)
         finished, self._finished_ids = tuple(self._finished_ids), []
+        room = max(0, self.config.max_num_seqs - len(self.running))
         out = SchedulerOutput(chunks=tuple(chunks), preempted_ids=tuple(preempted), finished_ids=finished,
-                              iteration=self._iteration)
+                              iteration=self._iteration, batch_ahead=len(self.running) + min(room, len(self.waiting)))
         self._iteration += 1
         return out
 

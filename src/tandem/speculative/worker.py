@@ -208,7 +208,7 @@ class SpecWorker:
         if verify_chunks:
             self._launch_verify(verify_chunks, handle, outputs, shape or self.choose_shape(sched))
         if prefill_chunks:
-            self._launch_prefill(prefill_chunks, handle, outputs)
+            self._launch_prefill(prefill_chunks, handle, outputs, sched.batch_ahead)
         handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sched.chunks
                                   if c.sampling_params.logprobs is not None}
         handle.seq_lens_ready = s.record("main", "seq_lens_ready")
@@ -564,11 +564,14 @@ class SpecWorker:
         return chosen.view(b, q), top_v.view(b, q, -1), top_i.view(b, q, -1)
 
     # ---- prefill rows: CPU-planned, results stay on the device ------------------------------
-    def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs) -> None:
+    def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs, batch_ahead: int = 0) -> None:
         runner, pool, s = self.runner, self.pool, self.streams
-        # The batch a new request joins: the decoding requests and those whose prompts run now.
+        # The batch a new request joins: the decoding requests, those whose prompts run now, and the queued
+        # ones with room to follow (a burst of 128 prompts is prefilled 32 at a time: judged by the running
+        # batch alone, the first 96 were kept drafting at sizes 32-96 where drafting paid, then decoded at
+        # 128 where it did not).
         prompts = {c.request_id for c in chunks}
-        joins = self.padded_batch(len(self.ready - prompts) + len(prompts))
+        joins = self.padded_batch(max(batch_ahead, len(self.ready - prompts) + len(prompts)))
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
