@@ -37,6 +37,8 @@ class RunMetrics:
     dormant_admitted: int | None = None
     # The policy's cost table at the batch's padded size after the run (ms; what its choices rested on).
     policy_costs_ms: dict | None = None
+    # Wall time of each engine step until every request had its first token (where time to first token goes).
+    first_token_steps_ms: list[float] | None = None
 
     def as_dict(self) -> dict:
         return {k: rounded(v) for k, v in asdict(self).items()}
@@ -79,11 +81,15 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
     first: dict[str, float] = {}
     done: dict[str, tuple[float, list[int]]] = {}
     decode_start, decode_steps = None, 0
+    first_token_steps, last = [], t0
     while len(done) < len(rids):
         out = engine.step()
         now = time.perf_counter()
         if decode_start is not None:
             decode_steps += 1
+        else:
+            first_token_steps.append(1e3 * (now - last))
+            last = now
         for d in out.deltas:
             if d.new_token_ids:
                 first.setdefault(d.request_id, now)
@@ -102,7 +108,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
         ttft_ms=1e3 * sum(first[r] - t0 for r in rids) / len(rids),
         ms_per_output_token=1e3 * sum(per_token) / len(per_token) if per_token else None,
         iteration_ms=1e3 * (t1 - decode_start) / decode_steps if decode_steps else None,
-        decode_iterations=decode_steps,
+        decode_iterations=decode_steps, first_token_steps_ms=first_token_steps,
     )
     if json_schema is not None and decode_steps:
         metrics.grammar_mask_ms_per_step = 1e3 * (_grammar_time(engine) - grammar_before) / decode_steps
