@@ -284,3 +284,57 @@ def test_drafts_past_a_requests_last_token_are_worth_nothing():
     # In a batch, only the finishing request's tail is cut: two rows, one with 1 token left, one with
     # many: depth 3 gives 1 + 3.44 in 1.3 ms (3.4 per ms) against depth 0's 2 in 1.0.
     assert p.choose(["r", "s"], 1, remaining=[1, 50]) == DraftShape(3)
+
+
+def test_spread_of_one_steps_tokens_by_hand():
+    """Rates 0.5, 0.5: depth 1 yields 1 or 2 tokens (even odds): sd 0.5; depth 2 yields 1, 2 or 3 with
+    chances 0.5, 0.25, 0.25: mean 1.75, E[T^2] = 3.75, sd sqrt(0.6875)."""
+    from tandem.speculative.policy import spread_by_depth
+
+    assert spread_by_depth([0.5, 0.5]) == pytest.approx([0.0, 0.5, 0.6875 ** 0.5])
+    assert spread_by_depth([1.0, 1.0]) == pytest.approx([0.0, 0.0, 0.0])  # always every draft
+
+
+def test_straggler_factor_matches_a_simulated_batch():
+    """A batch of 64 requests each needing 64 tokens, a chain of one accepted with probability 0.3 (the
+    sweep's worst kind of point): the mean over 400 simulated batches of the steps its slowest request
+    needs, against the policy's R / E times its factor."""
+    import random
+
+    from tandem.speculative.policy import expected_max_of_normals
+
+    assert expected_max_of_normals(1) == 0.0
+    assert expected_max_of_normals(64) == pytest.approx(2.41, abs=0.1)  # tabulated: 2.4090
+    p = DepthPolicy(D, tree=False)
+    set_acceptance(p, [0.3, 0.3, 0.3])
+    factors = p._straggler_factors(64, 64)
+    rng = random.Random(0)
+
+    def steps_to(tokens):
+        steps = 0
+        while tokens > 0:
+            tokens -= 2 if rng.random() < 0.3 else 1
+            steps += 1
+        return steps
+
+    slowest = sum(max(steps_to(64) for _ in range(64)) for _ in range(400)) / 400
+    assert factors[0] == 1.0
+    assert 64 / 1.3 * factors[1] == pytest.approx(slowest, rel=0.03)
+
+
+def test_a_batch_that_finishes_with_its_slowest_request_drafts_only_where_that_pays():
+    """Batch 64, costs 5.48 / 6.64 / 7.9 / 9.0 ms (the H200's 8B shape), acceptance 0.3 at every position,
+    64 tokens left each. Per step a chain of one pays (1.3 / 6.64 = 0.196 tokens per ms a row against
+    1 / 5.48 = 0.182); a batch that ends with its slowest request needs 1.117 times the mean steps at
+    that depth (1.3 / 1.117 / 6.64 = 0.175): depth 0. One request alone has no slowest: its choice stays
+    (at batch 1 a chain of two, 1.39 / 5.5 = 0.253, a hair above the chain of one's 1.3 / 5.2 = 0.250).
+    At acceptance 0.9 the chain of three pays either way."""
+    p = policy_with_costs({1: [4.74, 5.2, 5.5, 5.84], 64: [5.48, 6.64, 7.9, 9.0]}, probe_every=10**9,
+                          hysteresis=0.0)
+    set_acceptance(p, [0.3, 0.3, 0.3])
+    rows = [f"r{i}" for i in range(64)]
+    assert p.choose(rows, 64, catch_up_batch=0, remaining=[64] * 64) == DraftShape(1)
+    assert p.choose(rows, 64, catch_up_batch=0, remaining=[64] * 64, finish_together=[True] * 64) == DraftShape(0)
+    assert p.choose(["r0"], 1, catch_up_batch=0, remaining=[64], finish_together=[True]) == DraftShape(2)
+    set_acceptance(p, [0.9, 0.9, 0.9])
+    assert p.choose(rows, 64, catch_up_batch=0, remaining=[64] * 64, finish_together=[True] * 64) == DraftShape(3)
