@@ -151,6 +151,23 @@ def test_all_log_probs_zero_keeps_parents_before_children():
     assert tree.tokens[0].tolist() == [7, 0, 1, 2, 100, 101]
 
 
+def test_nan_log_probs_still_build_a_well_formed_tree():
+    """A row whose draft ran on garbage state (a dormant request's) has NaN log-probs at some levels; the
+    other row is normal. Both trees keep every invariant (before, the NaN row's parents and depths
+    disagreed and its accept walk skipped a depth)."""
+    batch, topk, steps = 2, 3, 4
+    rng = torch.Generator().manual_seed(5)
+    first = -torch.rand(batch, topk, generator=rng)
+    first[0, 1] = float("nan")
+    builder = TreeBuilder(torch.tensor([7, 8]), first, torch.arange(batch * topk).view(batch, topk))
+    for s in range(steps - 1):
+        logp = -torch.rand(batch, topk, topk, generator=rng)
+        logp[0, s % topk] = float("nan")
+        builder.expand(logp, torch.arange(batch * topk * topk).view(batch, topk, topk) + 100 * (s + 1))
+    tree = builder.build(1 + topk + 2 * topk)
+    check_invariants(tree)
+
+
 @pytest.mark.parametrize("steps", [1, 2, 5])
 def test_topk_one_is_a_chain(steps):
     rng = torch.Generator().manual_seed(steps)

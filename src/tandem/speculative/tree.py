@@ -91,6 +91,7 @@ class TreeBuilder:
     def __init__(self, root_tokens: Tensor, first_logp: Tensor, first_ids: Tensor) -> None:
         batch, topk = first_logp.shape
         device = first_logp.device
+        first_logp = _no_nan(first_logp)
         self.topk = topk
         self._root_tokens = root_tokens.long()  # [B]
         self._slots = torch.arange(topk, device=device)  # [K]
@@ -138,7 +139,7 @@ class TreeBuilder:
         assert topk == self.topk and child_ids.shape == child_logp.shape, (child_logp.shape, child_ids.shape)
 
         # Candidate c = i*K + j is child j of frontier node i.
-        scores = (self._frontier_scores[:, :, None] + child_logp).flatten(1)  # [B, K*K] cumulative log-prob
+        scores = (self._frontier_scores[:, :, None] + _no_nan(child_logp)).flatten(1)  # [B, K*K] cumulative log-prob
         tokens = child_ids.long().flatten(1)  # [B, K*K]
         parents = self._frontier_cands.repeat_interleave(topk, dim=1)  # [B, K*K]
 
@@ -203,3 +204,12 @@ def _top_stable(scores: Tensor, k: int) -> Tensor:
     `torch.topk` does not promise an order among ties, so sort with a stable sort instead.
     """
     return scores.sort(dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def _no_nan(logp: Tensor) -> Tensor:
+    """NaN log-probs as -inf. A dormant request (speculative/policy.py) drafts from no state: its draft
+    attends to KV entries never written, which can hold NaN, and NaN scores break the ordering that
+    keeps every chosen node's parent chosen (its tree's parents and depths then disagreed, and its
+    accept walk skipped a depth). At -inf every score ties and creation order decides, as for any tie."""
+    return torch.nan_to_num(logp, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
