@@ -27,6 +27,9 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output tokens of one request
     max_num_seqs: int = 64  # cap on running requests
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    # While a waiting request can be admitted, a step admits prompts only and running requests wait a step
+    # (scheduler.Scheduler.schedule); False: admissions share the step with the running requests' work.
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):

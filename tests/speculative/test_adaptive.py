@@ -116,6 +116,22 @@ def test_bad_adaptive_value_is_refused(spec_models):
                speculative_adaptive="maybe", **CHAIN, **ENGINE)
 
 
+def test_prefill_first_is_on_with_speculation_unless_told(spec_models):
+    """auto: prompt-only admission steps with speculation (a decode row beside prompts costs the verify
+    pass of its own), mixed steps without; on/off say so; anything else is refused."""
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE)
+    with Engine(spec_models["target"], **spec) as e:
+        assert e.scheduler.config.prefill_first
+    with Engine(spec_models["target"], prefill_first="off", **spec) as e:
+        assert not e.scheduler.config.prefill_first
+    with Engine(spec_models["target"], **ENGINE) as e:
+        assert not e.scheduler.config.prefill_first
+    with Engine(spec_models["target"], prefill_first="on", **ENGINE) as e:
+        assert e.scheduler.config.prefill_first
+    with pytest.raises(ValueError, match="prefill_first must be auto, on or off"):
+        Engine(spec_models["target"], prefill_first="sometimes", **ENGINE)
+
+
 class DormantHalfPolicy(CyclingPolicy):
     """CyclingPolicy that admits every other request dormant (no draft state), whatever the costs."""
 

@@ -1,6 +1,8 @@
 """Greedy speculative output equals plain greedy output, token for token, for every draft kind,
 chain and tree drafting, and several batch sizes."""
 
+from dataclasses import replace
+
 import pytest
 
 from tandem import Engine, SamplingParams
@@ -29,12 +31,12 @@ def _spec_engine(spec_models, kind, shape, **extra):
 def test_greedy_speculative_equals_plain(spec_models, reference, kind, shape):
     with _spec_engine(spec_models, kind, shape) as engine:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        for batch in (1, 3, 16):
-            engine.scheduler.config = engine.scheduler.config.__class__(
-                engine.max_model_len, batch, engine.scheduler.config.max_num_batched_tokens)
+        # Prompt chunks beside verify rows (prefill_first off), and prompt-only steps while requests wait.
+        for batch, prefill_first in ((1, False), (3, False), (16, False), (16, True)):
+            engine.scheduler.config = replace(engine.scheduler.config, max_num_seqs=batch, prefill_first=prefill_first)
             outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
             for i, (out, want) in enumerate(zip(outs, reference)):
-                assert out.token_ids == want, f"{kind} batch {batch}: prompt {i} differs"
+                assert out.token_ids == want, f"{kind} batch {batch} prefill_first {prefill_first}: prompt {i} differs"
                 assert sum(out.spec_accept_lengths) >= NEW_TOKENS - 1
         assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
 

@@ -10,10 +10,11 @@ from tandem.scheduler import Scheduler, SchedulerOutput, SchedulerUpdate
 
 
 def create_scheduler(max_num_batched_tokens: int = 64, max_num_seqs: int = 16, max_model_len: int = 256,
-                     page_size: int = 4, num_pages: int = 1000, num_lookahead_tokens: int = 0) -> Scheduler:
+                     page_size: int = 4, num_pages: int = 1000, num_lookahead_tokens: int = 0,
+                     prefill_first: bool = False) -> Scheduler:
     """A scheduler over a fake, tiny KV pool (page ids only; nothing is allocated)."""
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=max_num_batched_tokens, prefill_first=prefill_first)
     return Scheduler(config, page_size=page_size, num_pages=num_pages, num_lookahead_tokens=num_lookahead_tokens)
 
 

@@ -42,6 +42,9 @@ class EngineArgs:
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
     speculative_adaptive: str = "on"  # on: choose the draft depth per step (speculative/policy.py); off: fixed
+    # on: a step that can admit a waiting request admits prompts only (running requests wait that step);
+    # off: prompts share steps with decodes; auto: on with speculation, off without (see Scheduler.schedule)
+    prefill_first: str = "auto"
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
     disable_cuda_graph: bool = False  # GPU only: replay captured decode steps instead of launching them
@@ -92,6 +95,8 @@ class Engine:
         if args.speculative_algorithm is not None and args.speculative_draft_model_path is None:
             raise ValueError(f"speculative_algorithm={args.speculative_algorithm!r} needs "
                              "speculative_draft_model_path")
+        if args.prefill_first not in ("auto", "on", "off"):
+            raise ValueError(f"prefill_first must be auto, on or off (got {args.prefill_first!r})")
         self.args = args
         self.arch = load_model_config(args.model_path)
         max_model_len = args.context_length or self.arch.max_position_embeddings
@@ -105,7 +110,9 @@ class Engine:
         self.config = EngineConfig(
             load=ModelLoadConfig(args.model_path, args.dtype, device, args.load_format, args.seed),
             cache=CacheConfig(args.page_size, num_pages),
-            scheduler=SchedulerConfig(max_model_len, args.max_running_requests, args.chunked_prefill_size),
+            scheduler=SchedulerConfig(max_model_len, args.max_running_requests, args.chunked_prefill_size,
+                                      prefill_first=args.prefill_first == "on" or (
+                                          args.prefill_first == "auto" and args.speculative_algorithm is not None)),
             speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_draft_model_path,
                                           args.speculative_num_steps, args.speculative_eagle_topk,
                                           args.speculative_num_draft_tokens, args.speculative_adaptive),
