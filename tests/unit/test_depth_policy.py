@@ -128,14 +128,16 @@ def test_one_early_rejection_is_not_a_rate_of_zero():
 
 
 def test_nothing_accepted_stops_drafting_within_a_few_steps():
-    """The 8B shape on an H200 at batch 1 (bench/results/depth0_cost_h200.json): depth 0 4.74 ms, a chain
-    of 3 5.84 ms. Positions past the first rejection are never observed and keep the prior; position 1
-    after k rejections is a_1 = 0.6 / (k + 1) (the prior worth 1 observation). The chain of 3 gives way
-    to the chain of 1 once (1 + a_1) / 5.2 > 1.03 (1 + 1.96 a_1) / 5.84 (the hysteresis): a_1 < 0.104,
-    k = 5; depth 0 beats the chain of 1 once 1 / 4.74 > 1.03 (1 + a_1) / 5.2: a_1 < 0.065, k = 9.
-    (With the prior worth 2 observations: 10 steps of the chain of 3 and 7 of the chain of 1, 2.9 steps'
-    time lost out of the 64 a benchmark request decodes; before that, the request's own rates decayed
-    at 5% a step from the prior and kept it drafting 35 steps.)"""
+    """The 8B shape on an H200 at batch 1 (bench/results/depth0_cost_h200.json): depth 0 4.74 ms, chains
+    of 1, 2, 3 5.2, 5.5, 5.84 ms. Position 1 after k rejections is a_1 = 0.6 / (k + 1) (the prior worth 1
+    observation); positions past it are never observed and take a_1 (effective_acceptance). Step 1: the
+    prior (0.6 everywhere) picks the chain of 3. k = 1, a = 0.3: the chain of 2 (1.39 / 5.5 = 0.2527 a ms)
+    beats the chain of 3 (1.417 / 5.84 = 0.2426) by more than the 3% hysteresis. k = 2, a = 0.2: the chain
+    of 1 (0.2308) is not 3% better than the chain of 2 (0.2255): kept. k = 3, a = 0.15: the chain of 1
+    (0.2212 against 0.2132). Depth 0 beats the chain of 1 once 1 / 4.74 > 1.03 (1 + a_1) / 5.2:
+    a_1 < 0.065, k = 9. Wasted: 5.4 ms (with the prior kept for unobserved positions, 5 chains of 3 and 4
+    of 1: 7.3 ms; with the prior worth 2 observations, 2.9 steps' time; with a request's own rates
+    decaying at 5% a step from the prior, 35 steps of drafting)."""
     p = DepthPolicy(3, tree=False, probe_every=10**9)
     for shape, ms in zip(p.options, (4.74, 5.2, 5.5, 5.84)):
         p.observe_time(1, shape, ms, weight=1.0)
@@ -146,7 +148,7 @@ def test_nothing_accepted_stops_drafting_within_a_few_steps():
         p.observe_accept("r", shape, 1)
     assert chosen[0] == 3, chosen
     first = chosen.index(0)
-    assert chosen[:9] == [3] * 5 + [1] * 4 and first == 9 and set(chosen[first:]) == {0}, chosen
+    assert chosen[:9] == [3, 2, 2] + [1] * 6 and first == 9 and set(chosen[first:]) == {0}, chosen
 
 
 def test_a_request_with_enough_history_uses_its_own_rates():
@@ -338,3 +340,21 @@ def test_a_batch_that_finishes_with_its_slowest_request_drafts_only_where_that_p
     assert p.choose(["r0"], 1, catch_up_batch=0, remaining=[64], finish_together=[True]) == DraftShape(2)
     set_acceptance(p, [0.9, 0.9, 0.9])
     assert p.choose(rows, 64, catch_up_batch=0, remaining=[64] * 64, finish_together=[True] * 64) == DraftShape(3)
+
+
+def test_positions_never_drafted_take_the_rate_of_the_one_before():
+    """Batch 64 (costs 5.52 / 6.66 / 8.19 / 9.5 ms, the H200's 8B shape), a batch job of 64 tokens a
+    request, and only chains of one run so far, accepting 95% (a_2, a_3 never observed). Taking the prior
+    (0.6) for them, the chain of one looked best (1.95 / 1.046 / 6.66 = 0.280 tokens per ms a row against
+    the chain of two's 2.52 / 1.109 / 8.19 = 0.277) and nothing ever showed otherwise; taking a_1 for
+    them, the chain of three (3.71 / 1.118 / 9.5 = 0.349) is chosen, and then measured."""
+    p = policy_with_costs({64: [5.52, 6.66, 8.19, 9.5]}, probe_every=10**9)
+    for i in range(400):
+        p.observe_accept("r", DraftShape(1), 1 if i % 20 == 0 else 2)
+    assert p._seen == [400, 0, 0] and p.acceptance[0] > 0.9
+    assert p.effective_acceptance() == [p.acceptance[0]] * 3
+    rows = [f"q{i}" for i in range(64)]
+    assert p.choose(rows, 64, catch_up_batch=0, remaining=[64] * 64, finish_together=[True] * 64) == DraftShape(3)
+    # A first observation of position 2 starts from the rate assumed (a_1), not from the prior.
+    p.observe_accept("r", DraftShape(3), 4)
+    assert p.acceptance[1] > 0.9 and p._seen[1] == 1

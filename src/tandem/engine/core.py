@@ -90,7 +90,7 @@ class EngineCore:
             policy = spec.policy
             stats.spec = ipc.SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                           list(s.accepted_per_position), s.mean_accept_length, list(s.steps_by_depth),
-                                          list(policy.acceptance) if policy is not None else [],
+                                          policy.effective_acceptance() if policy is not None else [],
                                           s.catch_ups, s.dormant_admitted)
         return stats
 

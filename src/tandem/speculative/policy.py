@@ -161,6 +161,18 @@ class DepthPolicy:
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
         self._tree_seen = 0
 
+    def effective_acceptance(self) -> list[float]:
+        """The engine's a_1..a_D as the choice uses them: a position never observed takes the rate of the
+        one before it (acceptance falls slowly with depth), not the prior. With the prior (0.6) a batch
+        of 64 at acceptance 0.95 chose chains of one (a_1 learned, a_2 and a_3 never drafted): deeper
+        chains looked worse than they were, and at that batch a probe of the deepest came once per 85
+        steps (its 0.5% budget), after the run had ended (0.89x fixed depth on an H200)."""
+        out = list(self.acceptance)
+        for j in range(1, len(out)):
+            if self._seen[j] == 0:
+                out[j] = out[j - 1]
+        return out
+
     def _weight(self, seen: int) -> float:
         # A mean of the prior (as prior_weight observations) and the first observations, then a moving
         # average: the prior is forgotten after a few dozen steps.
@@ -187,6 +199,12 @@ class DepthPolicy:
         decay, offset = self.decay, 1 + self.prior_weight  # (_weight, inlined: this runs per request per step)
         # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
         for j in range(min(accept_len, shape.depth)):
+            if seen[j] == 0 or own_seen[j] == 0:  # first sight: start from what the choice assumed so far
+                inherited = self.effective_acceptance()[j]
+                if seen[j] == 0:
+                    engine[j] = inherited
+                if own_seen[j] == 0:
+                    own[j] = inherited
             hit = 1.0 if j + 1 < accept_len else 0.0
             engine[j] += max(decay, 1.0 / (seen[j] + offset)) * (hit - engine[j])
             seen[j] += 1
@@ -258,7 +276,7 @@ class DepthPolicy:
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
-        expected = expected_by_depth(self.acceptance)
+        expected = expected_by_depth(self.effective_acceptance())
         depth0 = costs[DraftShape(0)]  # a dormant row defers nothing: no catch-up share
         best_drafting = max((self.tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
@@ -276,10 +294,11 @@ class DepthPolicy:
         req = self._requests.get(request_id)
         if req is None or req.drafting_steps < self.min_request_obs:
             if self._engine_expected is None:
-                self._engine_expected = expected_by_depth(self.acceptance)
+                self._engine_expected = expected_by_depth(self.effective_acceptance())
             return self._engine_expected
-        if req.expected is None:
-            req.expected = expected_by_depth(req.rates)
+        if req.expected is None:  # positions it never drafted: the engine's (see effective_acceptance)
+            engine = self.effective_acceptance()
+            req.expected = expected_by_depth([own if n else e for own, n, e in zip(req.rates, req.seen, engine)])
         return req.expected
 
     def expected_tokens(self, request_ids, shape: DraftShape) -> float:
@@ -373,7 +392,8 @@ class DepthPolicy:
         51-56 steps for 64 tokens where the mean asks 49 (the formula: 55), which turned a 7% gain per
         step into a loss; at acceptance 0.6, batch 128, 41-45 steps against 40 (formula: 45). From the
         engine's acceptance (a request's own would cost a pass over the batch per step)."""
-        expected, spread = expected_by_depth(self.acceptance), spread_by_depth(self.acceptance)
+        rates = self.effective_acceptance()
+        expected, spread = expected_by_depth(rates), spread_by_depth(rates)
         z = expected_max_of_normals(rows)
         return [1.0 + z * sd / math.sqrt(max(remaining, 1) * e) for e, sd in zip(expected, spread)]
 
