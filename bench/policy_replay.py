@@ -58,7 +58,7 @@ def main() -> None:
         for r in range(ns.runs):
             m, _ = run_batch(engine, random_prompts(b, 64, vocab, seed=0), ns.output_len, ns.temperature)
             print(f"{b:5d} {r:3d} | {m.steps_by_depth} | {m.catch_ups} | {m.dormant_admitted} | "
-                  f"{[round(a, 3) for a in policy.acceptance]}", flush=True)
+                  f"{[round(a, 3) for a in policy.effective_acceptance()]}", flush=True)
     engine.shutdown()
 
 
