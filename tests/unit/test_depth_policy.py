@@ -253,8 +253,8 @@ def test_a_cost_that_keeps_its_option_from_running_is_refreshed():
     table says depth 0 costs 1.12 ms and a chain of one 1.1 (true: 1.0 and 1.1) and the chain of one was
     the last choice: hysteresis keeps it while depth 0 looks no better. A refresh runs depth 0 within
     REFRESH_EVERY steps; its true time then moves the cost (1.12 -> 1.06: 3.8% better than the chain,
-    past the 3% hysteresis), and depth 0 is chosen from then on, but for one refresh of the chain of one
-    (within 10% of depth 0's rate; the chain of two, at 1.2 ms, is not) every REFRESH_EVERY steps."""
+    past the 3% hysteresis), and depth 0 alone is chosen from then on: its cost soon reads its true 1.0 ms,
+    and the chain of one, 10% dearer, is outside REFRESH_MARGIN (5%)."""
     from tandem.speculative.policy import REFRESH_EVERY
 
     true_ms = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}
@@ -269,9 +269,7 @@ def test_a_cost_that_keeps_its_option_from_running_is_refreshed():
         p.observe_time(32, shape, true_ms[shape.depth])
     first = chosen.index(0)
     assert first <= REFRESH_EVERY, chosen
-    after = chosen[first + 1:]
-    assert after.count(0) == len(after) - after.count(1), chosen
-    assert 0 < after.count(1) <= 3, chosen
+    assert set(chosen[first:]) == {0}, chosen
 def test_drafts_past_a_requests_last_token_are_worth_nothing():
     """Acceptance 0.9 at costs 1.0 / 1.1 / 1.2 / 1.3 ms: one request drafts 3 (1 + 0.9 + 0.81 + 0.73 =
     3.44 tokens in 1.3 ms). With 2 tokens left it can use one draft at most: depth 1 (1.9 / 1.1 = 1.73 per

@@ -47,12 +47,14 @@ DORMANT_MIN_OBSERVATIONS = 32
 DORMANT_MARGIN = 0.05
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
-# A cost is corrected only by running its option: without refreshes a cost that is too high (start-up
-# timing on a GPU still ramping its clocks, one slow step) keeps its option from ever running again, and
-# so from ever being corrected. On an H200 at batch 32 and acceptance 0 that kept a chain of one drafting
-# in vain every step (0.86x plain), twice.
-REFRESH_EVERY = 64
-REFRESH_MARGIN = 0.10
+# A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
+# step, a mis-timed one) keeps its option from ever running again, and so from ever being corrected. (On an
+# H200 a mis-timed depth 0 kept a chain of one drafting in vain at acceptance 0, batch 32: StepClock in
+# speculative/worker.py was the cause; this is the net under it.) Refreshes cost: at 10% and every 64
+# steps, chains of one and two were refreshed every run at batch 1, acceptance 0, each with the catch-up it
+# forces, about 0.6% of the run; hence 5% and 128 (not yet measured on the H200).
+REFRESH_EVERY = 128
+REFRESH_MARGIN = 0.05
 REFRESH_WEIGHT = 0.5
 
 
