@@ -13,7 +13,7 @@ OUT=${OUT:-bench/results/pass}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
 if [ "${PASS:-a}" = a ]; then
-    TESTS_S=${TESTS_S:-290} OUT="$OUT" bash bench/h200_tests.sh
+    TESTS_S=${TESTS_S:-340} OUT="$OUT" bash bench/h200_tests.sh
     t=$(date +%s)
     timeout -k 5 ${KERNEL_S:-100} python bench/sampling_kernel_bench.py --rows 1 32 128 --pivot-rounds 0 3 \
         --out "$OUT/sampling_kernel_h200.json" > "$OUT/sampling_kernel.log" 2>&1
@@ -23,7 +23,7 @@ if [ "${PASS:-a}" = a ]; then
         --out "$OUT/depth0_cost_h200.json" > "$OUT/depth0_cost.log" 2>&1
     grep -E "^batch|Error" "$OUT/depth0_cost.log"; echo "depth 0: $(( $(date +%s) - t )) s"
 elif [ "${PASS}" = c ]; then
-    TESTS_S=${TESTS_S:-280} OUT="$OUT" bash bench/h200_tests.sh
+    TESTS_S=${TESTS_S:-340} OUT="$OUT" bash bench/h200_tests.sh
     t=$(date +%s)
     timeout -k 5 ${SAMPLING_S:-100} python bench/sampling_bench.py --shapes demo --batch-sizes 1 8 32 --repeats 5 \
         --out "$OUT/sampling_demo_h200.json" > "$OUT/sampling_demo.log" 2>&1
