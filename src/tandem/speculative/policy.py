@@ -15,12 +15,20 @@ timed at start-up when graphs are captured, refined by every step's measured tim
 grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
 waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
 
+Three corrections keep the choice honest. A position never drafted takes the rate of the one before it
+(`effective_acceptance`), not the prior. A batch of fixed-length requests that nothing queued will refill
+is done when its slowest request is, so drafting options are charged for the extra steps of that
+request (`_straggler_factors`). And costs can only be corrected by running their option, so no chain
+counts as dearer than a deeper one and a competitive option left unrun is re-timed now and then
+(`_effective_costs`, `_refresh`).
+
 Dormant requests: keeping a draft's state costs even while nothing is drafted (its prefill, and a
 catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
 32, 64 and 128, 8B shape, H200). So once the engine's measured acceptance says drafting does not pay at the
-running batch size, new requests are admitted *dormant* (`admit`): no draft prefill, no catch-ups; they
-decode at depth 0, and in a step that drafts for others they count as rows that accept nothing (their
-drafts come from no state, which is harmless: the target's tokens decide). Every SENTINEL_EVERY-th request
+batch a new request joins (the running one plus the queued requests with room), it is admitted *dormant*
+(`admit`): no draft prefill, no catch-ups; it decodes at depth 0, and in a step that drafts for others it
+counts as a row that accepts nothing (its drafts come from no state, harmless to the output: the target's
+tokens decide; they can be NaN, which the tree builder reads as -inf). Every SENTINEL_EVERY-th request
 keeps its draft, so acceptance stays measured (its probes), and new requests draft again once it pays.
 
 Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
