@@ -258,8 +258,8 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
 
     monkeypatch.setattr(policy_module, "DORMANT_MIN_OBSERVATIONS", 8)
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
-    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-                **CHAIN, **ENGINE) as e:
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
         for bs in range(1, 17):
             for shape in policy.options:
