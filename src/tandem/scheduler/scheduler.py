@@ -166,27 +166,29 @@ class Scheduler:
 
     def _head_can_join(self) -> bool:
         """Whether `_schedule_waiting` would admit the head of the queue now (room, and pages for its
-        first chunk: the same need `_allocate` computes)."""
+        first chunk)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         head = self.waiting[0]
-        end = min(head.num_tokens, self.config.max_num_batched_tokens)
-        if end >= head.num_tokens:
-            end += self.num_lookahead_tokens
-        return self.allocator.can_allocate(max(0, self._pages_for(end) - len(head.page_ids)))
+        need = self._pages_needed(head, min(head.num_tokens, self.config.max_num_batched_tokens))
+        return self.allocator.can_allocate(max(0, need))
 
     def _can_schedule_future(self, req: Request, pending: list) -> bool:
         return self.async_decode and len(pending) == 1
 
-    def _allocate(self, req: Request, n: int, in_flight: int = 0) -> bool:
-        """Grow the request's pages to hold n more tokens (and the lookahead when it samples), plus a
-        worst-case run of tokens for each step still in flight."""
+    def _pages_needed(self, req: Request, n: int, in_flight: int = 0) -> int:
+        """Pages the request lacks to hold n more tokens (and the lookahead when it samples), plus a
+        worst-case run of tokens for each step still in flight; <= 0 when it has enough."""
         end = req.num_computed_tokens + n
         if in_flight:
             end = req.num_tokens + in_flight * self.num_lookahead_tokens
         if end >= req.num_tokens:
             end += self.num_lookahead_tokens
-        need = self._pages_for(end) - len(req.page_ids)
+        return self._pages_for(end) - len(req.page_ids)
+
+    def _allocate(self, req: Request, n: int, in_flight: int = 0) -> bool:
+        """Grow the request's pages as `_pages_needed` says; False (nothing allocated) if they are short."""
+        need = self._pages_needed(req, n, in_flight)
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need):

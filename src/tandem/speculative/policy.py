@@ -306,9 +306,11 @@ class DepthPolicy:
             if self._engine_expected is None:
                 self._engine_expected = expected_by_depth(self.effective_acceptance())
             return self._engine_expected
-        if req.expected is None:  # positions it never drafted: the engine's (see effective_acceptance)
-            engine = self.effective_acceptance()
-            req.expected = expected_by_depth([own if n else e for own, n, e in zip(req.rates, req.seen, engine)])
+        if req.expected is None:
+            rates = req.rates
+            if 0 in req.seen:  # positions it never drafted: the engine's (see effective_acceptance)
+                rates = [own if n else e for own, n, e in zip(rates, req.seen, self.effective_acceptance())]
+            req.expected = expected_by_depth(rates)
         return req.expected
 
     def expected_tokens(self, request_ids, shape: DraftShape) -> float:

@@ -194,7 +194,7 @@ class SpecWorker:
         # Rows whose length is fixed, when nothing queued will take the slots they free: the batch is done
         # when the slowest is (a batch job; plain decoding's rows all finish at the same step).
         draining = sched.batch_ahead <= len(verify) + prefill_rows
-        together = [draining and _fixed_length(c.sampling_params) for c in verify]
+        together = [_fixed_length(c.sampling_params) for c in verify] if draining else []
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
                                   constrained=any(c.sampling_params.constrained for c in verify),
                                   prefill_rows=prefill_rows,
