@@ -232,6 +232,12 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         # Depth 0 but for probes; the one sentinel catches up once per 32 deferred steps (40 tokens: <= 2).
         assert metrics.steps_by_depth[0] >= metrics.decode_iterations and sum(metrics.steps_by_depth[1:]) <= 2
         assert 1 <= metrics.catch_ups <= 2
+        # Its step trace: one entry per decode step, each naming the depth of the results it took.
+        trace = metrics.step_trace
+        assert len(trace) == metrics.decode_iterations and all(ms > 0 for ms, _, _ in trace)
+        taken = [sum(depth == d for _, depth, _ in trace) for d in range(4)]
+        assert all(t <= n for t, n in zip(taken, metrics.steps_by_depth)) and taken[0] >= metrics.decode_iterations - 3
+        assert sum(c for _, _, c in trace) <= metrics.catch_ups
         # /metrics exports both counts from the core's stats snapshot.
         from types import SimpleNamespace
 

@@ -39,6 +39,10 @@ class RunMetrics:
     policy_costs_ms: dict | None = None
     # Wall time of each engine step until every request had its first token (where time to first token goes).
     first_token_steps_ms: list[float] | None = None
+    # Adaptive speculation, each engine step after every request had its first token: [wall ms, depth of
+    # the verify step whose results it took (-1: none), catch-ups it launched]. Under overlap a step's
+    # wall time is mostly the GPU time of the step whose results it waits for.
+    step_trace: list[list] | None = None
 
     def as_dict(self) -> dict:
         return {k: rounded(v) for k, v in asdict(self).items()}
@@ -56,6 +60,7 @@ def median_of_runs(runs: list[RunMetrics]) -> dict:
             values = sorted(r[key] for r in rows if r[key] is not None)
             out[key] = values[len(values) // 2] if values else None
     out["runs"] = rows
+    out.pop("step_trace", None)  # (one run's; each run keeps its own)
     return out
 
 
@@ -82,14 +87,24 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
     done: dict[str, tuple[float, list[int]]] = {}
     decode_start, decode_steps = None, 0
     first_token_steps, last = [], t0
+    trace = [] if spec is not None and spec.policy is not None else None
+    counts = _spec_counts(spec)
     while len(done) < len(rids):
         out = engine.step()
         now = time.perf_counter()
         if decode_start is not None:
             decode_steps += 1
+            if trace is not None:
+                new = _spec_counts(spec)
+                depth = next((d for d, (a, b) in enumerate(zip(new[3], counts[3] + [0] * len(new[3])))
+                              if a > b), -1)
+                trace.append([round(1e3 * (now - last), 3), depth, new[4] - counts[4]])
+                counts = new
+            last = now
         else:
             first_token_steps.append(1e3 * (now - last))
             last = now
+            counts = _spec_counts(spec) if trace is not None else counts
         for d in out.deltas:
             if d.new_token_ids:
                 first.setdefault(d.request_id, now)
@@ -108,7 +123,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
         ttft_ms=1e3 * sum(first[r] - t0 for r in rids) / len(rids),
         ms_per_output_token=1e3 * sum(per_token) / len(per_token) if per_token else None,
         iteration_ms=1e3 * (t1 - decode_start) / decode_steps if decode_steps else None,
-        decode_iterations=decode_steps, first_token_steps_ms=first_token_steps,
+        decode_iterations=decode_steps, first_token_steps_ms=first_token_steps, step_trace=trace,
     )
     if json_schema is not None and decode_steps:
         metrics.grammar_mask_ms_per_step = 1e3 * (_grammar_time(engine) - grammar_before) / decode_steps

@@ -170,6 +170,7 @@ class DepthPolicy:
         self._engine_expected: list[float] | None = None  # expected_by_depth(acceptance), None when stale
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
         self._tree_seen = 0
+        self._learning_probe_at = -1  # observations of position 1 when the last learning probe ran
 
     def effective_acceptance(self) -> list[float]:
         """The engine's a_1..a_D as the choice uses them: a position never observed takes the rate of the
@@ -183,46 +184,64 @@ class DepthPolicy:
                 out[j] = out[j - 1]
         return out
 
-    def _weight(self, seen: int) -> float:
-        # A mean of the prior (as prior_weight observations) and the first observations, then a moving
-        # average: the prior is forgotten after a few dozen steps.
-        return max(self.decay, 1.0 / (seen + 1 + self.prior_weight))
-
     # ---- what the engine tells it ----------------------------------------------------------------------
     def observe_accept(self, request_id: str, shape: DraftShape, accept_len: int) -> None:
         """One verify step of one request: accept_len tokens (accepted drafts + 1) from `shape`."""
-        if shape.tree:
-            self.tree_tokens += self._weight(self._tree_seen) * (accept_len - self.tree_tokens)
-            self._tree_seen += 1
-            return
-        # A request's own rates start from the engine's, worth prior_weight observations, and are then
-        # weighted as the engine's are (a slow moving average from the start kept the prior for
-        # dozens of steps, and a request that never accepted a draft kept drafting).
-        if request_id in self.dormant:
-            return  # its drafts come from no state: they say nothing about the draft
-        req = self._requests.get(request_id)
-        if req is None:
-            req = self._requests[request_id] = _RequestRates(list(self.acceptance), [0] * self.num_steps)
-        if shape.depth == 0:
+        self.observe_step(shape, [request_id], [accept_len])
+
+    def observe_step(self, shape: DraftShape, request_ids, accept_lens) -> None:
+        """One verify step: accept_lens[i] tokens (accepted drafts + 1) for request_ids[i], from `shape`.
+
+        The engine's averages move once a step, towards the step's own rate at each position (hits over
+        tries; a mean with the prior and the steps before while there are few observations). Moved once
+        an observation, a 5% moving average remembered about 20 rows, less than one step of a big batch:
+        at batch 128, acceptance 0.95, the rate of position 3 read 0.83 after one step (the last rows of
+        that step), which chose chains of two for the rest of a replayed run, that position no longer
+        drafted. Dormant rows teach nothing: their drafts come from no state."""
+        rows = [(rid, k) for rid, k in zip(request_ids, accept_lens) if rid not in self.dormant]
+        if not rows or not shape.drafts:
             return  # nothing drafted, nothing observed
-        own, own_seen, engine, seen = req.rates, req.seen, self.acceptance, self._seen
-        decay, offset = self.decay, 1 + self.prior_weight  # (_weight, inlined: this runs per request per step)
-        # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
-        for j in range(min(accept_len, shape.depth)):
-            if seen[j] == 0 or own_seen[j] == 0:  # first sight: start from what the choice assumed so far
-                inherited = self.effective_acceptance()[j]
-                if seen[j] == 0:
-                    engine[j] = inherited
+        if shape.tree:
+            mean = sum(k for _, k in rows) / len(rows)
+            self.tree_tokens += self._step_weight(self._tree_seen, len(rows)) * (mean - self.tree_tokens)
+            self._tree_seen += len(rows)
+            return
+        depth, engine, seen = shape.depth, self.acceptance, self._seen
+        assumed = self.effective_acceptance()  # what the choice assumed so far, for positions seen first now
+        hits, tries = [0] * depth, [0] * depth
+        # A request's own rates start from the engine's, worth prior_weight observations, and are then
+        # weighted as the engine's are (a slow moving average from the start kept the prior for dozens of
+        # steps, and a request that never accepted a draft kept drafting).
+        decay, own_offset = self.decay, 1 + self.prior_weight  # (inlined: this runs per request per step)
+        for rid, accept_len in rows:
+            req = self._requests.get(rid)
+            if req is None:
+                req = self._requests[rid] = _RequestRates(list(assumed), [0] * self.num_steps)
+            own, own_seen = req.rates, req.seen
+            # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
+            for j in range(min(accept_len, depth)):
                 if own_seen[j] == 0:
-                    own[j] = inherited
-            hit = 1.0 if j + 1 < accept_len else 0.0
-            engine[j] += max(decay, 1.0 / (seen[j] + offset)) * (hit - engine[j])
-            seen[j] += 1
-            own[j] += max(decay, 1.0 / (own_seen[j] + offset)) * (hit - own[j])
-            own_seen[j] += 1
-        req.drafting_steps += 1
-        req.expected = None
+                    own[j] = assumed[j]
+                hit = j + 1 < accept_len
+                tries[j] += 1
+                hits[j] += hit
+                own[j] += max(decay, 1.0 / (own_seen[j] + own_offset)) * (hit - own[j])
+                own_seen[j] += 1
+            req.drafting_steps += 1
+            req.expected = None
+        for j in range(depth):
+            if not tries[j]:
+                break  # (tries fall with depth: no row reached this position, none the next)
+            if seen[j] == 0:
+                engine[j] = assumed[j]
+            engine[j] += self._step_weight(seen[j], tries[j]) * (hits[j] / tries[j] - engine[j])
+            seen[j] += tries[j]
         self._engine_expected = None
+
+    def _step_weight(self, seen: int, new: int) -> float:
+        """The weight of a step's mean over `new` observations, after `seen` before it: the running mean
+        with the prior (as prior_weight observations) while that weighs more than the decay."""
+        return max(self.decay, new / (seen + new + self.prior_weight))
 
     def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None,
                      constrained: bool = False) -> None:
@@ -255,7 +274,8 @@ class DepthPolicy:
         acceptance 0, 0.6 ms a step over depth 0)."""
         key = _table(padded_batch, constrained)
         old = self.catch_up_per_step_ms.get(key)
-        self.catch_up_per_step_ms[key] = ms_per_deferred_step if old is None else old + 0.2 * (ms_per_deferred_step - old)
+        new = ms_per_deferred_step
+        self.catch_up_per_step_ms[key] = new if old is None else old + 0.2 * (new - old)
 
     def forget(self, request_ids) -> None:
         for rid in request_ids:
@@ -297,8 +317,14 @@ class DepthPolicy:
 
     # ---- the choice ------------------------------------------------------------------------------------
     def _expected_of(self, request_id) -> list[float]:
-        """A request's expected tokens at depth 0..D: its own rates once it has drafted min_request_obs
-        steps, the engine's before (cached until the next observation)."""
+        """A request's expected tokens at depth 0..D: at each position its own rate once it has observed
+        that position min_request_obs times, the engine's before (cached until its next observation). A
+        deep position is observed only when the ones before it were accepted (at acceptance 0.6, a third
+        of the steps reach position 3): gated on its drafting steps alone, a request's rate there came
+        from two or three observations, and a chance run of rejections made its deep drafts look
+        worthless until a probe. Replayed with the H200's batch-8 costs at acceptance 0.6 (where chains
+        of three pay), six runs drafted shorter chains on 10.2 of 37 steps on average; 3.0 with this gate and
+        the engine's averages moved once a step (observe_step), 1.3 with engine-wide rates only."""
         if request_id in self.dormant:
             return self._accept_nothing
         req = self._requests.get(request_id)
@@ -307,9 +333,9 @@ class DepthPolicy:
                 self._engine_expected = expected_by_depth(self.effective_acceptance())
             return self._engine_expected
         if req.expected is None:
-            rates = req.rates
-            if 0 in req.seen:  # positions it never drafted: the engine's (see effective_acceptance)
-                rates = [own if n else e for own, n, e in zip(rates, req.seen, self.effective_acceptance())]
+            rates, enough = req.rates, self.min_request_obs
+            if any(n < enough for n in req.seen):  # too few observations of a position: the engine's rate
+                rates = [own if n >= enough else e for own, n, e in zip(rates, req.seen, self.effective_acceptance())]
             req.expected = expected_by_depth(rates)
         return req.expected
 
@@ -352,14 +378,18 @@ class DepthPolicy:
                     e = per_request[i]
                     per_request[i] = e[:left] + [e[left - 1]] * (len(e) - left)
                     tree_each[i] = min(tree_each[i], float(left))
-        chain_tokens = [sum(column) + prefill_rows for column in zip(*per_request)]
-        tree_tokens = sum(tree_each) + prefill_rows
-        if finish_together is not None and remaining is not None and sum(finish_together) > 1:
-            rows = [i for i, together in enumerate(finish_together) if together]
-            factors = self._straggler_factors(len(rows), max(remaining[i] for i in rows))
-            for d in range(1, self.num_steps + 1):
-                chain_tokens[d] -= (1 - 1 / factors[d]) * sum(per_request[i][d] for i in rows)
-            tree_tokens -= (1 - 1 / factors[-1]) * sum(tree_each[i] for i in rows)
+        fixed_rows = finish_together is not None and remaining is not None
+        if fixed_rows and not prefill_rows and all(finish_together):
+            chain_tokens, tree_tokens = self._slowest_rows_progress(per_request, tree_each, remaining)
+        else:
+            chain_tokens = [sum(column) + prefill_rows for column in zip(*per_request)]
+            tree_tokens = sum(tree_each) + prefill_rows
+            if fixed_rows and sum(finish_together) > 1:
+                rows = [i for i, together in enumerate(finish_together) if together]
+                factors = self._straggler_factors(len(rows), max(remaining[i] for i in rows))
+                for d in range(1, self.num_steps + 1):
+                    chain_tokens[d] -= (1 - 1 / factors[d]) * sum(per_request[i][d] for i in rows)
+                tree_tokens -= (1 - 1 / factors[-1]) * sum(tree_each[i] for i in rows)
 
         deferring = padded_batch if catch_up_batch is None else _table(catch_up_batch, constrained)
         deferral_ms = self.catch_up_per_step_ms.get(deferring, 0.0) if catch_up_batch != 0 else 0.0
@@ -383,9 +413,15 @@ class DepthPolicy:
         if prefill_rows:
             return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
-        if best != self.deepest and steps >= self._probe_interval(padded_batch, best, self.deepest):
+        if best != self.deepest and (steps >= self._probe_interval(padded_batch, best, self.deepest)
+                                     or self._learning(request_ids)):
             # The deepest option observes every position at once: one probe can show that a deep
-            # draft pays even when the first position alone would not justify a chain of one.
+            # draft pays even when the first position alone would not justify a chain of one. And while
+            # the engine has observed position 1 fewer times than this batch has drafting rows, one
+            # step of the deepest would more than double what it knows: a learning probe. The prior
+            # (0.6) under the straggler charge keeps a batch of 128 at depth 0, and at that batch a
+            # regular probe comes once per 290 steps: at acceptance 0.95 a whole 64-token run went
+            # undrafted (0.87x fixed depth on an H200). One probe there costs 2% of such a run.
             best, steps = self.deepest, 0
         else:
             best = self._refresh(padded_batch, best, rate)
@@ -393,6 +429,33 @@ class DepthPolicy:
         count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
         self._run_at[(padded_batch, best)] = count
         return best
+
+    def _slowest_rows_progress(self, per_request, tree_each, remaining) -> tuple[list[float], float]:
+        """For a drained batch of fixed-length rows (nothing queued, no row can end early): the batch is done
+        when its slowest row is, so what a step is worth is the progress of the rows that can still end
+        last (those within one deepest step's tokens of the most remaining), their mean expected tokens
+        over the straggler factor of that many rows: by chain depth 0..D, and the tree's. Tokens of rows
+        about to finish are worth nothing here: summed with the others (the throughput view, right while
+        new requests take the freed slots), a batch of 64 with 1-13 tokens left chose depth 0, and the
+        rows with 13 took 13 more steps (a replay of acceptance 0.95, batch 128: 12 of 28 steps undrafted
+        where fixed depth needed 20 steps in all)."""
+        most = max(remaining)
+        last = [i for i, left in enumerate(remaining) if left > most - (self.num_steps + 1)]
+        factors = self._straggler_factors(len(last), most)
+        chain = [sum(per_request[i][d] for i in last) / (len(last) * factors[d]) for d in range(self.num_steps + 1)]
+        tree = sum(tree_each[i] for i in last) / (len(last) * factors[-1])
+        return chain, tree
+
+    def _learning(self, request_ids) -> bool:
+        """Whether to run a learning probe: the engine has observed position 1 fewer times than the batch has
+        drafting rows, and has observed it since the last learning probe."""
+        seen = self._seen[0]
+        if seen == self._learning_probe_at or seen >= len(request_ids):
+            return False  # (a probe's results come a step later under overlap: one probe, not two)
+        if seen >= len(request_ids) - len(self.dormant.intersection(request_ids)):
+            return False
+        self._learning_probe_at = seen
+        return True
 
     def _straggler_factors(self, rows: int, remaining: int) -> list[float]:
         """By depth 0..D: how much longer than its mean a batch of `rows` requests that each need

@@ -727,8 +727,7 @@ class SpecWorker:
         (StepClock: what throughput sees, host and device); on a CPU launching runs the step."""
         if self.policy is None:
             return
-        for rid, k in zip(handle.verify_ids, lens):
-            self.policy.observe_accept(rid, handle.shape, k)
+        self.policy.observe_step(handle.shape, handle.verify_ids, lens)
         if not handle.prefill_ids:
             ms = step_ms if self.runner.device.type == "cuda" else handle.launch_ms
             catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
