@@ -21,7 +21,7 @@ class CyclingPolicy(DepthPolicy):
         self.turn = 0
 
     def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
-               remaining=None, finish_together=None):
+               remaining=None, finish_together=None, catch_up_forced=False):
         self.turn += 1
         return self.options[self.turn % len(self.options)]
 

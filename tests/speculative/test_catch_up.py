@@ -27,7 +27,7 @@ class ScriptedPolicy(DepthPolicy):
         self.zeros_run = zeros_run
 
     def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
-               remaining=None, finish_together=None):
+               remaining=None, finish_together=None, catch_up_forced=False):
         self.turn += 1
         return self.deepest if self.turn % (self.zeros_run + 1) == 0 else self.options[0]
 

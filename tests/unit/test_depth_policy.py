@@ -424,3 +424,13 @@ def test_a_drained_batch_drafts_for_the_rows_that_end_last():
     left = [1] * 60 + [13] * 4
     assert p.choose(rows, 64, catch_up_batch=0, remaining=left) == DraftShape(0)
     assert p.choose(rows, 64, catch_up_batch=0, remaining=left, finish_together=[True] * 64) == DraftShape(3)
+
+
+def test_probes_and_refreshes_wait_for_a_catch_up_that_is_due_anyway():
+    """At depth 0 the rows defer their draft extends; a drafting step first catches them up, which a depth-0
+    step does only once a buffer is full. A probe due while that would be forced waits for the step
+    whose catch-up is due anyway: probe_every 4, buffers full at every 6th step here."""
+    p = policy_with_costs({1: [1.0, 1.001, 1.002, 1.003]}, probe_every=4)
+    teach(p, [0.0, 0.0, 0.0])  # nothing is ever accepted: depth 0 wins
+    choices = [p.choose(["r"], 1, catch_up_forced=i % 6 != 5).depth for i in range(12)]
+    assert choices == [0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 3]

@@ -348,7 +348,7 @@ class DepthPolicy:
 
     def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0,
                catch_up_batch: int | None = None, remaining: list[int] | None = None,
-               finish_together: list[bool] | None = None) -> DraftShape:
+               finish_together: list[bool] | None = None, catch_up_forced: bool = False) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
         keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
@@ -361,7 +361,12 @@ class DepthPolicy:
         bound): a step yields at most that many, so drafts past it are counted as worth nothing (they
         would be accepted and dropped). `finish_together`: per request, whether it runs exactly its
         `remaining` tokens (no EOS or stop can end it) in a batch that nothing queued will refill: the
-        batch is then done when the slowest of them is (see `_straggler_factors`)."""
+        batch is then done when the slowest of them is (see `_straggler_factors`). `catch_up_forced`: a
+        drafting step now would first run a catch-up that a depth-0 step would not (rows have deferred
+        extends, short of a full window): while depth 0 is chosen, probes and refreshes then wait for
+        the step whose catch-up is due anyway (at most a window of steps), so they cost their own extra
+        time only. Each one forced a catch-up of its own before: at batch 32, acceptance 0.3 on an H200
+        a probe and a refresh took 3.3 and 2.5 ms over a depth-0 step, 1.2 ms of each a catch-up."""
         padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
@@ -413,7 +418,8 @@ class DepthPolicy:
         if prefill_rows:
             return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
-        if best != self.deepest and (steps >= self._probe_interval(padded_batch, best, self.deepest)
+        wait = catch_up_forced and not best.drafts  # (see above)
+        if best != self.deepest and ((steps >= self._probe_interval(padded_batch, best, self.deepest) and not wait)
                                      or self._learning(request_ids)):
             # The deepest option observes every position at once: one probe can show that a deep
             # draft pays even when the first position alone would not justify a chain of one. And while
@@ -423,7 +429,7 @@ class DepthPolicy:
             # regular probe comes once per 290 steps: at acceptance 0.95 a whole 64-token run went
             # undrafted (0.87x fixed depth on an H200). One probe there costs 2% of such a run.
             best, steps = self.deepest, 0
-        else:
+        elif not wait:
             best = self._refresh(padded_batch, best, rate)
         self._steps_since_probe[padded_batch] = steps
         count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1

@@ -12,8 +12,9 @@ draft is prefilled on the shifted tokens). Verify rows go first:
   main stream:  draft extend (waits: extend plan) ─► prefill rows ─► results to pinned memory
 
 The verify plan depends only on seq_lens and the page table, and the extend plan only on those
-too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft". Results reach the CPU through a pinned copy and one event, so the
-engine can schedule the next step while this one runs.
+too, so the plan stream's whole step overlaps the draft; nothing waits for "the whole draft".
+Results reach the CPU through a pinned copy and one event, so the engine can schedule the next step
+while this one runs.
 
 With CUDA graphs, a step replays the whole iteration as one graph on the main stream
 (`decode_iteration`, one per sampling kind and draft shape: greedy, sampled, sampled with top-k, and
@@ -195,11 +196,16 @@ class SpecWorker:
         # when the slowest is (a batch job; plain decoding's rows all finish at the same step).
         draining = sched.batch_ahead <= len(verify) + prefill_rows
         together = [_fixed_length(c.sampling_params) for c in verify] if draining else []
+        # A drafting step would first catch up rows with deferred extends; a depth-0 step only once a
+        # buffer is full (_plan_catch_up).
+        lags = [self.lag.get(c.request_id, 0) for c in verify if not self._dormant(c.request_id)]
+        forced = bool(lags) and 0 < max(lags) < self.pool.catch_up_window
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
                                   constrained=any(c.sampling_params.constrained for c in verify),
                                   prefill_rows=prefill_rows,
                                   catch_up_batch=self.padded_batch(deferring) if deferring else 0,
-                                  remaining=remaining, finish_together=together if any(together) else None)
+                                  remaining=remaining, finish_together=together if any(together) else None,
+                                  catch_up_forced=forced)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, shape: DraftShape | None = None) -> SpecStepHandle:
