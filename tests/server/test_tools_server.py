@@ -132,7 +132,8 @@ def test_required_and_named_tool_choice_give_schema_valid_arguments(client):
                                          max_tokens=300, temperature=1.0, seed=7)
     assert len(one.choices[0].message.tool_calls) == 1
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Time?"}],
-                                            tools=[TIME], tool_choice="required", max_tokens=100, stream=True)
+                                            tools=[TIME], tool_choice="required", max_tokens=300, stream=True,
+                                            seed=0)  # (unseeded, a sampled reply once ran past max_tokens)
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert len(deltas) >= 1 and deltas[0].function.name == "get_time"
     jsonschema.validate(json.loads(deltas[0].function.arguments), schemas["get_time"])
