@@ -434,3 +434,16 @@ def test_probes_and_refreshes_wait_for_a_catch_up_that_is_due_anyway():
     teach(p, [0.0, 0.0, 0.0])  # nothing is ever accepted: depth 0 wins
     choices = [p.choose(["r"], 1, catch_up_forced=i % 6 != 5).depth for i in range(12)]
     assert choices == [0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 3]
+
+
+def test_one_slow_step_moves_a_cost_no_more_than_a_quarter_of_its_weight():
+    """A step of 2.15 ms among depth-0 steps of 0.25 (a host stall, or a batch's last step), the first online
+    step after start-up timing (which counts as 10 observations: weight 1/10): counted as such it lifts
+    the cost by 0.19 ms (76%), for dozens of steps; clipped at 1.25 times the cost so far, by 0.006 ms.
+    A real rise (to 0.40 ms a step) still shows within a few dozen steps."""
+    p = policy_with_costs({1: [0.25, 0.45, 0.5, 0.55]})
+    p.observe_time(1, DraftShape(0), 2.15)
+    assert p.cost_ms[(1, DraftShape(0))] == pytest.approx(0.25 + 0.1 * 0.25 * 0.25)
+    for _ in range(60):
+        p.observe_time(1, DraftShape(0), 0.40)
+    assert p.cost_ms[(1, DraftShape(0))] > 0.39

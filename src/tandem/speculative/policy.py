@@ -64,6 +64,13 @@ DORMANT_MARGIN = 0.05
 REFRESH_EVERY = 128
 REFRESH_MARGIN = 0.05
 REFRESH_WEIGHT = 0.5
+# An online step time counts at most OUTLIER_RATIO times its option's cost so far. Slow steps that are no
+# option's doing land on whichever option ran then: the last step of a batch waits about two steps (9.5 ms
+# against 4.75 in the H200's 8B-shape traces) and host stalls hit the demo pair's 0.25 ms steps (one of
+# 2.15 ms), mostly at depth 0 (drafts are worth nothing on a batch's last tokens), whose cost on the demo
+# pair then read 0.36-0.42 ms at batch 1-8 where its steps took 0.25. A real rise still shows: 25% times
+# the weight a step.
+OUTLIER_RATIO = 1.25
 
 
 @dataclass
@@ -248,7 +255,7 @@ class DepthPolicy:
         """One step's time. `weight` (start-up timing over several graph replays) sets a trusted value.
         Online, the first observation of an option at a batch size is often its warm-up (lazy
         initialisation, first-call allocation): the second replaces it, then a mean of the observations
-        so far, then a moving average."""
+        so far, then a moving average, each observation at most OUTLIER_RATIO times the cost so far."""
         key = (_table(padded_batch, constrained), shape)
         old = self.cost_ms.get(key)
         count = self._time_seen.get(key, 0)
@@ -256,6 +263,8 @@ class DepthPolicy:
             self.cost_ms[key] = ms if old is None else old + weight * (ms - old)
             self._time_seen[key] = max(count, TRUSTED_OBSERVATIONS)
             return
+        if count >= 2:
+            ms = min(ms, OUTLIER_RATIO * old)
         w = max(self.decay, 1.0 / max(count, 1))
         if key in self._refreshing:
             self._refreshing.discard(key)
