@@ -52,13 +52,18 @@ def main() -> None:
         run_batch(engine, random_prompts(b, 64, vocab, seed=10_007), 8, ns.temperature)
     synthetic.install(engine, ns.acceptance)
     print(f"depth 0's catch-up charge: {charge:.3f} ms a deferred step (frozen)")
-    print("batch run | steps by depth | catch-ups | dormant | acceptance per position")
+    print("batch run | steps by depth | catch-ups | dormant | acceptance per position | modelled ms (x depth 0 "
+          "throughout)")
+    window = engine.runner.spec.pool.catch_up_window
     for b in ns.batch_sizes:
         policy.reset_acceptance()
         for r in range(ns.runs):
             m, _ = run_batch(engine, random_prompts(b, 64, vocab, seed=0), ns.output_len, ns.temperature)
+            # The steps' time by the frozen table (a catch-up runs a whole window), against depth 0 on every step.
+            ms = sum(n * ns.cost_ms[d] for d, n in enumerate(m.steps_by_depth)) + m.catch_ups * charge * window
             print(f"{b:5d} {r:3d} | {m.steps_by_depth} | {m.catch_ups} | {m.dormant_admitted} | "
-                  f"{[round(a, 3) for a in policy.effective_acceptance()]}", flush=True)
+                  f"{[round(a, 3) for a in policy.effective_acceptance()]} | {ms:.0f} "
+                  f"({ns.output_len * ns.cost_ms[0] / ms:.3f}x)", flush=True)
     engine.shutdown()
 
 

@@ -8,19 +8,23 @@ run the policy picks the option with the most expected tokens per millisecond:
     expected tokens of a request at depth d = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d
 
 where a_j is the acceptance rate of draft position j given that position j - 1 was accepted: an
-exponentially weighted average over recent verify steps, the request's own once it has enough
-observations and the engine's otherwise. A tree's expected tokens are the weighted average of its own
+exponentially weighted average over recent verify steps (the engine's moves once a step, by that step's
+hits over tries), the request's own at a position once it has enough observations of it and the
+engine's otherwise. A tree's expected tokens are the weighted average of its own
 accept lengths. Time is the measured time of an iteration of that option at the batch's padded size:
 timed at start-up when graphs are captured, refined by every step's measured time. Batches with a
 grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
 waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
 
-Three corrections keep the choice honest. A position never drafted takes the rate of the one before it
-(`effective_acceptance`), not the prior. A batch of fixed-length requests that nothing queued will refill
-is done when its slowest request is, so drafting options are charged for the extra steps of that
-request (`_straggler_factors`). And costs can only be corrected by running their option, so no chain
-counts as dearer than a deeper one and a competitive option left unrun is re-timed now and then
-(`_effective_costs`, `_refresh`).
+Corrections keep the choice honest. A position never drafted takes the rate of the one before it
+(`effective_acceptance`), not the prior, and a batch with more drafting rows than the engine has
+observations of position 1 runs the deepest once (`_learning`). A batch of fixed-length requests that
+nothing queued will refill is done when its slowest request is, so only the rows that can end last count,
+each drafting option charged for the extra steps of the slowest (`_slowest_rows_progress`,
+`_straggler_factors`). And costs can only be corrected by running their option, so no chain counts as
+dearer than a deeper one, a competitive option left unrun is re-timed now and then (`_effective_costs`,
+`_refresh`), and one slow step (a batch's last, a host stall) moves a cost by at most a quarter of its
+weight (OUTLIER_RATIO).
 
 Dormant requests: keeping a draft's state costs even while nothing is drafted (its prefill, and a
 catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
