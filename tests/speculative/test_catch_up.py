@@ -129,3 +129,43 @@ def test_target_as_its_own_draft_accepts_everything_after_a_catch_up(spec_models
         # last one, which can be cut short by max_new_tokens.
         assert drafting and all(k == deep for k in drafting[:-1]), out.spec_accept_lengths
         assert len(drafting) >= 3
+
+
+class ProbeWhenFree(DepthPolicy):
+    """Depth 0, with a probe of the deepest due after every five depth-0 steps, run only at a step where it
+    forces no catch-up of its own (`catch_up_forced` False), as the real policy's probes do."""
+
+    def __init__(self, base: DepthPolicy):
+        super().__init__(base.num_steps, tree=base.deepest.tree)
+        self.since_probe = 0
+
+    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
+               remaining=None, finish_together=None, catch_up_forced=False):
+        self.since_probe += 1
+        if self.since_probe > 5 and not catch_up_forced:
+            self.since_probe = 0
+            return self.deepest
+        return self.options[0]
+
+
+def test_probes_at_depth_0_wait_for_a_full_lag_buffer(spec_models, reference, monkeypatch):
+    """The engine says a drafting step is forced to catch up while a row's lag buffer holds some deferred
+    extends but is not full: a probe that waits for that runs its catch-up over a full buffer (one a
+    depth-0 step would have run anyway), never over a partial one."""
+    lags_at_catch_up = []
+    real_catch_up = Drafter.catch_up
+
+    def recording_catch_up(self, slots, page_rows, kv_bound, sink_slot, window=None):
+        lags_at_catch_up.append(int(self.pool.lag[slots].max()))
+        return real_catch_up(self, slots, page_rows, kv_bound, sink_slot, window)
+
+    monkeypatch.setattr(Drafter, "catch_up", recording_catch_up)
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        policy = e.runner.spec.policy = ProbeWhenFree(e.runner.spec.policy)
+        params = SamplingParams(max_new_tokens=3 * CATCH_UP_WINDOW, temperature=0.0, ignore_eos=True)
+        (out,) = e.generate(input_ids=PROMPTS[:1], sampling_params=params)
+        steps = e.runner.spec.stats.steps_by_depth
+    assert out.token_ids[:NEW_TOKENS] == reference[0]
+    assert steps[-1] >= 2 and policy.since_probe <= CATCH_UP_WINDOW, steps  # probes ran, once per window
+    assert lags_at_catch_up and set(lags_at_catch_up) == {CATCH_UP_WINDOW}, lags_at_catch_up
