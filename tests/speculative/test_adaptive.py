@@ -9,20 +9,15 @@ import pytest
 from tandem import Engine, SamplingParams
 from tandem.speculative.policy import DepthPolicy
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.scripted_policy import ScriptedChoice
 from tests.speculative.test_seeded_speculative import BATCH, params_mix, plain_seeded  # noqa: F401 (fixture)
 from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
 
 
-class CyclingPolicy(DepthPolicy):
+class CyclingPolicy(ScriptedChoice):
     """Every option in turn, whatever the costs: coverage, not speed."""
 
-    def __init__(self, base: DepthPolicy):
-        super().__init__(base.num_steps, tree=base.deepest.tree)
-        self.turn = 0
-
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
-               remaining=None, finish_together=None, catch_up_forced=False):
-        self.turn += 1
+    def script(self, **engine_says):
         return self.options[self.turn % len(self.options)]
 
 

@@ -13,22 +13,20 @@ from tandem.speculative.catch_up import CATCH_UP_WINDOW
 from tandem.speculative.drafter import Drafter
 from tandem.speculative.policy import DepthPolicy
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
+from tests.speculative.scripted_policy import ScriptedChoice
 from tests.speculative.test_spec_greedy import NEW_TOKENS, PROMPTS, reference  # noqa: F401 (fixture)
 
 ZEROS_RUN = CATCH_UP_WINDOW + 3  # longer than the lag buffer: forces catch-ups between depth-0 steps
 
 
-class ScriptedPolicy(DepthPolicy):
+class ScriptedPolicy(ScriptedChoice):
     """Depth 0 for `zeros_run` steps, then the deepest option once, and again."""
 
     def __init__(self, base: DepthPolicy, zeros_run: int = ZEROS_RUN):
-        super().__init__(base.num_steps, tree=base.deepest.tree)
-        self.turn = 0
+        super().__init__(base)
         self.zeros_run = zeros_run
 
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
-               remaining=None, finish_together=None, catch_up_forced=False):
-        self.turn += 1
+    def script(self, **engine_says):
         return self.deepest if self.turn % (self.zeros_run + 1) == 0 else self.options[0]
 
 
@@ -131,16 +129,15 @@ def test_target_as_its_own_draft_accepts_everything_after_a_catch_up(spec_models
         assert len(drafting) >= 3
 
 
-class ProbeWhenFree(DepthPolicy):
+class ProbeWhenFree(ScriptedChoice):
     """Depth 0, with a probe of the deepest due after every five depth-0 steps, run only at a step where it
     forces no catch-up of its own (`catch_up_forced` False), as the real policy's probes do."""
 
     def __init__(self, base: DepthPolicy):
-        super().__init__(base.num_steps, tree=base.deepest.tree)
+        super().__init__(base)
         self.since_probe = 0
 
-    def choose(self, request_ids, padded_batch, constrained=False, prefill_rows=0, catch_up_batch=None,
-               remaining=None, finish_together=None, catch_up_forced=False):
+    def script(self, catch_up_forced=False, **engine_says):
         self.since_probe += 1
         if self.since_probe > 5 and not catch_up_forced:
             self.since_probe = 0
@@ -160,8 +157,8 @@ def test_probes_at_depth_0_wait_for_a_full_lag_buffer(spec_models, reference, mo
         return real_catch_up(self, slots, page_rows, kv_bound, sink_slot, window)
 
     monkeypatch.setattr(Drafter, "catch_up", recording_catch_up)
-    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-                **CHAIN, **ENGINE) as e:
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy = ProbeWhenFree(e.runner.spec.policy)
         params = SamplingParams(max_new_tokens=3 * CATCH_UP_WINDOW, temperature=0.0, ignore_eos=True)
         (out,) = e.generate(input_ids=PROMPTS[:1], sampling_params=params)

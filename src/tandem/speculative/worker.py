@@ -189,21 +189,19 @@ class SpecWorker:
         if self.policy is None or not verify:
             return None
         prefill_rows = len({c.request_id for c in sched.chunks if not self.is_verify(c)})
-        deferring = sum(not self._dormant(c.request_id) for c in verify)
+        lags = [self.lag.get(c.request_id, 0) for c in verify if not self._dormant(c.request_id)]  # rows that defer
         # Tokens each may still emit: the root at start_pos is its newest (a lower bound for a future chunk).
         remaining = [c.sampling_params.max_new_tokens - (c.start_pos + 1 - c.num_prompt_tokens) for c in verify]
         # Rows whose length is fixed, when nothing queued will take the slots they free: the batch is done
         # when the slowest is (a batch job; plain decoding's rows all finish at the same step).
         draining = sched.batch_ahead <= len(verify) + prefill_rows
         together = [_fixed_length(c.sampling_params) for c in verify] if draining else []
-        # A drafting step would first catch up rows with deferred extends; a depth-0 step only once a
-        # buffer is full (_plan_catch_up).
-        lags = [self.lag.get(c.request_id, 0) for c in verify if not self._dormant(c.request_id)]
-        forced = bool(lags) and 0 < max(lags) < self.pool.catch_up_window
+        # Whether drafting now would run a catch-up that a depth-0 step would not.
+        forced = self._catch_up_needed(lags, drafts=True) and not self._catch_up_needed(lags, drafts=False)
         return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
                                   constrained=any(c.sampling_params.constrained for c in verify),
                                   prefill_rows=prefill_rows,
-                                  catch_up_batch=self.padded_batch(deferring) if deferring else 0,
+                                  catch_up_batch=self.padded_batch(len(lags)) if lags else 0,
                                   remaining=remaining, finish_together=together if any(together) else None,
                                   catch_up_forced=forced)
 
@@ -385,7 +383,7 @@ class SpecWorker:
         Updates the host mirror of the lags."""
         kept = [i for i, rid in enumerate(request_ids) if not self._dormant(rid)]
         lags = [self.lag.get(request_ids[i], 0) for i in kept]
-        needed = any(lags) and (shape.drafts or max(lags) >= self.pool.catch_up_window)
+        needed = self._catch_up_needed(lags, shape.drafts)
         for i, lag in zip(kept, lags):
             rid, lag = request_ids[i], 0 if needed else lag
             if shape.drafts:
@@ -395,6 +393,11 @@ class SpecWorker:
         if not needed:
             return 0, None
         return max(lags), (None if len(kept) == len(request_ids) else kept)
+
+    def _catch_up_needed(self, lags: list[int], drafts: bool) -> bool:
+        """Whether a step first catches up rows with these lags: any deferred extend before a step that
+        drafts; before one that does not, only once a buffer is full."""
+        return any(lags) and (drafts or max(lags) >= self.pool.catch_up_window)
 
     def _catch_up_rows(self, slots, page_rows, rows: list[int] | None):
         """The slots and page rows a catch-up runs on: the batch's, or (dormant rows left out) those of
