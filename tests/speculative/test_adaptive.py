@@ -187,15 +187,14 @@ def test_dormant_requests_keep_greedy_output_and_get_no_draft_work(spec_models, 
 
 def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_models, monkeypatch):
     """Synthetic acceptance 0 (BENCHMARK ONLY coins: nothing is ever accepted) and a frozen GPU-like cost
-    table (depth d costs 1 + 0.3 d ms): the first wave teaches the policy that drafts never pay; in the
-    second, the real `admit` makes every request dormant but each eighth (a sentinel), and those never
-    reach the draft's prefill."""
+    table (depth d costs 1 + 0.3 d ms): the first wave teaches the policy that drafts never pay (four
+    requests leave depth 0 after two drafting steps: 8 observations of position 1, too few to rule out
+    a_1 = 0.3, where a chain of one would pay). Then drafting is made dearer (1 + 0.8 d ms: it pays only
+    at a_1 > 0.8, which those 8 rejections rule out); in the second wave, the real `admit` makes every
+    request dormant but each eighth (a sentinel), and those never reach the draft's prefill."""
     from tandem.bench import synthetic
-    from tandem.speculative import policy as policy_module
     from tandem.speculative.policy import SENTINEL_EVERY
 
-    # Four requests leave depth 0 after two drafting steps here: 8 observations of position 1.
-    monkeypatch.setattr(policy_module, "DORMANT_MIN_OBSERVATIONS", 8)
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
                 **CHAIN, **ENGINE) as e:
@@ -208,6 +207,10 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         e.generate(input_ids=PROMPTS[:4], sampling_params=params)
         assert policy.acceptance[0] < 0.1, policy.acceptance
+        assert not policy.admit("too early to tell", 4)
+        for bs in range(1, 17):
+            for shape in policy.options:
+                policy.cost_ms[(bs, shape)] = 1.0 + 0.8 * shape.depth
         admitted = []
         real_admit = policy.admit
         monkeypatch.setattr(policy, "admit", lambda rid, padded: admitted.append(real_admit(rid, padded)) or admitted[-1])
@@ -249,22 +252,21 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
 
 def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, monkeypatch):
     """A burst of 16 prompts is prefilled a chunk budget (64 tokens) at a time. Frozen costs where drafts
-    pay up to batch 4 (depth d: 1 + 0.01 d ms) and lose from batch 5 (1 + 0.6 d), synthetic acceptance
-    0.5 (BENCHMARK ONLY coins): at 16 rows the best chain yields 1.5 / 1.6 tokens per ms against depth
-    0's 1.0, so every request but the sentinels is admitted dormant, including those of the first
-    chunks, which the running batch alone (1-4 rows then) would have kept drafting."""
+    pay up to batch 4 (depth d: 1 + 0.01 d ms) and lose from batch 5 (1 + d), synthetic acceptance 0.5
+    (BENCHMARK ONLY coins): at 16 rows the best chain yields under 1.8 / 2 tokens per ms even with a_1 at
+    the upper end of its interval, against depth 0's 1.0, so every request but the sentinels is admitted
+    dormant, including those of the first chunks, which the running batch alone (1-4 rows then) would
+    have kept drafting."""
     from tandem.bench import synthetic
-    from tandem.speculative import policy as policy_module
     from tandem.speculative.policy import SENTINEL_EVERY
 
-    monkeypatch.setattr(policy_module, "DORMANT_MIN_OBSERVATIONS", 8)
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
         for bs in range(1, 17):
             for shape in policy.options:
-                policy.cost_ms[(bs, shape)] = 1.0 + (0.01 if bs <= 4 else 0.6) * shape.depth
+                policy.cost_ms[(bs, shape)] = 1.0 + (0.01 if bs <= 4 else 1.0) * shape.depth
         synthetic.install(e, 0.5)
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         e.generate(input_ids=PROMPTS[:4], sampling_params=params)

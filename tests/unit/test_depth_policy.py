@@ -37,7 +37,7 @@ def set_acceptance(p: DepthPolicy, rates: list[float]) -> None:
     """The engine-wide rates, as if measured over many steps (requests without history use them)."""
     p.acceptance = list(rates)
     p._seen = [10**6] * D
-    p._engine_expected = None
+    p._engine_expected = p._engine_spread = None
 
 
 def test_expected_tokens_by_hand():
@@ -175,28 +175,55 @@ def test_tree_is_chosen_when_its_accept_lengths_pay():
 
 
 def test_requests_are_admitted_dormant_only_when_drafting_does_not_pay():
-    """Costs 1.0 ms at depth 0 and 1.3 / 1.5 / 1.7 ms at depth 1..3. Taught acceptance 0.1 (the learned a_1
-    stays under 0.2 after 32 steps from the prior): depth 1 gives under 1.2 / 1.3 = 0.92 tokens per ms
-    and deeper less, so with the 5% margin drafting loses to depth 0's 1.0: new requests are dormant, but
-    every eighth keeps its draft (a sentinel). Acceptance 0.9: depth 1 alone gives about 1.9 / 1.3: nobody
-    is dormant."""
-    from tandem.speculative.policy import DORMANT_MIN_OBSERVATIONS, SENTINEL_EVERY
+    """Costs 1.0 ms at depth 0 and 1.3 / 1.5 / 1.7 ms at depth 1..3. Taught acceptance 0.1 over 64 steps: the
+    learned a_1 is under 0.15 and the upper end of its 95% interval over 64 observations about 0.2, so depth 1
+    gives at most 1.2 / 1.3 = 0.92 tokens per ms and deeper less: drafting loses to depth 0's 1.0, new
+    requests are dormant, but every eighth keeps its draft (a sentinel). Acceptance 0.9: depth 1 alone gives
+    about 1.9 / 1.3: nobody is dormant."""
+    from tandem.speculative.policy import SENTINEL_EVERY
 
     costs = {8: [1.0, 1.3, 1.5, 1.7]}
     p = policy_with_costs(costs)
     assert not p.admit("early", 8)  # the prior alone never makes a request dormant
-    teach(p, [0.1, 0.1, 0.1], steps=DORMANT_MIN_OBSERVATIONS)
-    assert p.acceptance[0] < 0.2 and all(a <= 0.6 for a in p.acceptance)
+    teach(p, [0.1, 0.1, 0.1], steps=64)
+    assert p.acceptance[0] < 0.15 and all(a <= 0.6 for a in p.acceptance)
+    assert p.optimistic_acceptance()[0] < 0.23
     admitted = [p.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY)]
     assert admitted.count(False) == 2 and admitted[SENTINEL_EVERY - 1] is False
     assert p.dormant == {f"q{i}" for i, d in enumerate(admitted) if d}
     assert not p.admit("unknown batch", 64)  # no cost table there: keep the draft
 
     q = policy_with_costs(costs)
-    teach(q, [0.9, 0.9, 0.9], steps=DORMANT_MIN_OBSERVATIONS)
+    teach(q, [0.9, 0.9, 0.9], steps=64)
     assert q.acceptance[0] > 0.8
     assert not any(q.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY))
 
+
+def wilson_upper(a: float, n: int, z: float = 1.64) -> float:
+    """The upper end of the one-sided Wilson interval, written out independently of the policy's."""
+    return (a + z * z / (2 * n) + z * ((a * (1 - a) + z * z / (4 * n)) / n) ** 0.5) / (1 + z * z / n)
+
+
+@pytest.mark.parametrize("chain1_ms, dormant_at", [(1.6, 8), (1.2, 64)])
+def test_dormancy_needs_as_many_observations_as_the_margin_asks(chain1_ms, dormant_at):
+    """A request is dormant once even an optimistic a_1 (the upper end of its 95% interval) cannot make
+    drafting pay. Nothing is ever accepted. Where a chain of one costs 1.6x depth 0 it pays only at
+    a_1 > 0.6, which 8 rejections already rule out (upper end about 0.31); at 1.2x it pays at a_1 > 0.2,
+    which needs more: not after 8 observations, but after 64. (A fixed 32 observations before: neither.)"""
+    from tandem.speculative.policy import DORMANT_MIN_OBSERVATIONS
+
+    costs = {8: [1.0, chain1_ms, chain1_ms + 0.4, chain1_ms + 0.8]}
+    for steps in (DORMANT_MIN_OBSERVATIONS, 64):
+        p = policy_with_costs(costs, probe_every=10**9)
+        teach(p, [0.0, 0.0, 0.0], steps=steps)
+        a1, n = p.acceptance[0], p._seen[0]
+        assert n == steps and p.optimistic_acceptance()[0] == pytest.approx(wilson_upper(a1, n))
+        # By hand: the best drafting option's tokens per ms with a_1 at its upper end (deeper positions
+        # never observed take a_1's rate), against depth 0's 1.0 per ms.
+        up = wilson_upper(a1, n)
+        best = max((1 + up) / chain1_ms, (1 + up + up * a1) / (chain1_ms + 0.4),
+                   (1 + up + up * a1 + up * a1 * a1) / (chain1_ms + 0.8))
+        assert p.admit("r", 8) == (best < 1.0) == (steps >= dormant_at)
 
 def test_dormant_rows_accept_nothing_and_teach_nothing():
     """A dormant request's drafts come from no state: the policy counts it as 1 token at every depth and

@@ -46,6 +46,7 @@ import logging
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,13 @@ TRUSTED_OBSERVATIONS = 10
 # dormant; the engine's acceptance needs this many observations of position 1 before any request is; and
 # drafting must lose by this margin (relative tokens per ms) at the running batch size.
 SENTINEL_EVERY = 8
-DORMANT_MIN_OBSERVATIONS = 32
-DORMANT_MARGIN = 0.05
+DORMANT_MIN_OBSERVATIONS = 8
+# How sure the engine must be that drafting does not pay: the rate of position 1 (which gates every deeper
+# one) counts at the upper end of its one-sided 95% Wilson interval (z = 1.64) over the observations
+# behind it. A fixed 32 observations and a 5% margin before (the fifth session's rule) meant on a CPU, where
+# a probe costs 14 ms, that no request ever went dormant, and on an H200 the demo pair at temperature 1
+# (a_1 about 0.3) paid the draft's upkeep for its first 32 observations of every batch size.
+DORMANT_CONFIDENCE_Z = 1.64
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
 # A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
@@ -116,9 +122,10 @@ def expected_by_depth(rates: list[float]) -> list[float]:
     return out
 
 
-@dataclass(frozen=True)
-class DraftShape:
-    """What one step drafts: a chain of `depth` tokens, or the configured tree."""
+class DraftShape(NamedTuple):
+    """What one step drafts: a chain of `depth` tokens, or the configured tree. A named tuple: the policy
+    keys its tables by shape every step, and a frozen dataclass's generated hash and equality were a third
+    of its host time (choose took 49 us at batch 4 on a CI CPU)."""
 
     depth: int
     tree: bool = False
@@ -169,6 +176,7 @@ class DepthPolicy:
         self._steps: dict = {}  # table -> steps chosen at it
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
+        self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self._admitted = 0
@@ -179,6 +187,7 @@ class DepthPolicy:
         self._accept_nothing = [1.0] * (self.num_steps + 1)  # a dormant request's expected tokens by depth
         self._seen = [0] * self.num_steps  # observations of each position
         self._engine_expected: list[float] | None = None  # expected_by_depth(acceptance), None when stale
+        self._engine_spread: tuple | None = None  # (expected, spread_by_depth) of it, None when stale
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
         self._tree_seen = 0
         self._learning_probe_at = -1  # observations of position 1 when the last learning probe ran
@@ -247,7 +256,7 @@ class DepthPolicy:
                 engine[j] = assumed[j]
             engine[j] += self._step_weight(seen[j], tries[j]) * (hits[j] / tries[j] - engine[j])
             seen[j] += tries[j]
-        self._engine_expected = None
+        self._engine_expected = self._engine_spread = None
 
     def _step_weight(self, seen: int, new: int) -> float:
         """The weight of a step's mean over `new` observations, after `seen` before it: the running mean
@@ -308,8 +317,9 @@ class DepthPolicy:
     def admit(self, request_id: str, padded_batch: int) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) no
-        drafting option is expected to beat depth 0 by the engine's acceptance, with DORMANT_MARGIN to
-        spare; every SENTINEL_EVERY-th request keeps its draft all the same."""
+        drafting option is expected to beat depth 0 even if position 1's rate were as high as its
+        observations allow (`optimistic_acceptance`); every SENTINEL_EVERY-th request keeps its draft
+        all the same."""
         self.dormant.discard(request_id)
         if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
             return False
@@ -319,14 +329,30 @@ class DepthPolicy:
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
-        expected = expected_by_depth(self.effective_acceptance())
-        depth0 = costs[DraftShape(0)]  # a dormant row defers nothing: no catch-up share
-        best_drafting = max((self.tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
+        rates = self.effective_acceptance()
+        expected = expected_by_depth(self.optimistic_acceptance())
+        # The tree's accept length, scaled as much as optimism scales the deepest chain's.
+        tree_tokens = self.tree_tokens * expected[-1] / expected_by_depth(rates)[-1]
+        depth0 = costs[self.options[0]]  # a dormant row defers nothing: no catch-up share
+        best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
-        if best_drafting * (1 + DORMANT_MARGIN) >= 1.0 / depth0:
+        if best_drafting >= 1.0 / depth0:
             return False
         self.dormant.add(request_id)
         return True
+
+    def optimistic_acceptance(self) -> list[float]:
+        """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
+        DORMANT_CONFIDENCE_Z) over the observations of position 1; the deeper rates as they are (a
+        deep position is observed only after position 1 was accepted, so its own interval is wide
+        exactly when position 1 is rarely accepted, and would keep every request drafting)."""
+        rates, n, z = self.effective_acceptance(), self._seen[0], DORMANT_CONFIDENCE_Z
+        if n == 0:
+            return [1.0] + rates[1:]
+        a = rates[0]
+        centre = a + z * z / (2 * n)
+        spread = z * math.sqrt(a * (1 - a) / n + z * z / (4 * n * n))
+        return [min(1.0, (centre + spread) / (1 + z * z / n))] + rates[1:]
 
     # ---- the choice ------------------------------------------------------------------------------------
     def _expected_of(self, request_id) -> list[float]:
@@ -486,9 +512,13 @@ class DepthPolicy:
         51-56 steps for 64 tokens where the mean asks 49 (the formula: 55), which turned a 7% gain per
         step into a loss; at acceptance 0.6, batch 128, 41-45 steps against 40 (formula: 45). From the
         engine's acceptance (a request's own would cost a pass over the batch per step)."""
-        rates = self.effective_acceptance()
-        expected, spread = expected_by_depth(rates), spread_by_depth(rates)
-        z = expected_max_of_normals(rows)
+        if self._engine_spread is None:
+            rates = self.effective_acceptance()
+            self._engine_spread = expected_by_depth(rates), spread_by_depth(rates)
+        expected, spread = self._engine_spread
+        z = self._max_of_normals.get(rows)
+        if z is None:
+            z = self._max_of_normals[rows] = expected_max_of_normals(rows)
         return [1.0 + z * sd / math.sqrt(max(remaining, 1) * e) for e, sd in zip(expected, spread)]
 
     def _effective_costs(self, padded_batch, deferral_ms: float) -> dict[DraftShape, float]:
@@ -497,9 +527,10 @@ class DepthPolicy:
         extends are the chain of one's own, batched), so a table that says otherwise holds a stale or
         noisy cost, which must not decide (at acceptance 0 every chain yields what depth 0 yields)."""
         costs = {shape: self.cost_ms[(padded_batch, shape)] for shape in self.options}
-        costs[DraftShape(0)] += deferral_ms
+        chains = self.options  # (options[d] is the chain of depth d)
+        costs[chains[0]] += deferral_ms
         for d in range(self.num_steps - 1, -1, -1):
-            costs[DraftShape(d)] = min(costs[DraftShape(d)], costs[DraftShape(d + 1)])
+            costs[chains[d]] = min(costs[chains[d]], costs[chains[d + 1]])
         return costs
 
     def _refresh(self, padded_batch, best: DraftShape, rate) -> DraftShape:
