@@ -154,7 +154,8 @@ class ModelRunner:
             spec = self.spec
             shapes = spec.policy.options if spec.policy is not None else [spec.phases.configured]
             functions = spec.phases.build_graphs(spec, spec.pool.staging_pages.shape[1] * self.page_size,
-                                                 self._draft_feature_size(spec.drafter.model), shapes)
+                                                 self._draft_feature_size(spec.drafter.model), shapes,
+                                                 dormancy=spec.policy is not None and spec.policy.dormancy)
         capture_all(functions, sizes, self.device)
         if self.spec is not None and self.spec.policy is not None and self.device.type == "cuda":
             self.spec.time_graphed_iterations()

@@ -98,6 +98,15 @@ class SpecPhases:
         args = (slots, page_rows, coins, use_coins) + ((allowed,) if features.constrained else ())
         return self.graphs[_iteration_key(features, shape)](*args)
 
+    def dormant_graphed(self, batch_size: int, features: SamplingFeatures) -> bool:
+        graph = self.graphs.get(_dormant_key(features))
+        return graph is not None and graph.fits(batch_size)
+
+    def dormant(self, features: SamplingFeatures, slots, page_rows):
+        """SpecWorker.dormant_decode replayed: (out_tokens [B, 1],) and with logprobs (GENERAL) the
+        chosen token's [B, 1] and the top values and ids [B, 1, 20]."""
+        return self.graphs[_dormant_key(features)](slots, page_rows)
+
     def split_graphed(self, batch_size: int, features: SamplingFeatures, shape: DraftShape) -> bool:
         """Whether a constrained step that drafts can replay its two half-iteration graphs (the host
         computes the tree's grammar masks between them)."""
@@ -161,11 +170,13 @@ class SpecPhases:
         self.graphs["extend"](*args)
 
     # ---- capture -----------------------------------------------------------------------------
-    def build_graphs(self, worker, kv_width: int, feature_size: int | None, shapes) -> list[GraphedFunction]:
+    def build_graphs(self, worker, kv_width: int, feature_size: int | None, shapes,
+                     dormancy: bool = False) -> list[GraphedFunction]:
         """Declares the graphs (captured by the caller with the runner's other graphs): the three
         phases of the configured shape, for steps that run them eagerly between (a grammar with
-        penalties, logprobs or top-k, larger batches than the whole iteration's graphs), and the whole
-        iteration for every sampling kind and every draft shape the policy can choose."""
+        penalties, logprobs or top-k, larger batches than the whole iteration's graphs), the whole
+        iteration for every sampling kind and every draft shape the policy can choose, and with
+        `dormancy` plain decoding's step per sampling kind (batches of dormant rows)."""
         runner, drafter = self.runner, self.drafter
         pool = drafter.pool
         self.graph_kv_width = kv_width
@@ -225,6 +236,13 @@ class SpecPhases:
                     f"whole iteration ({features.name}, {shape.name})", iteration, inputs, device)
             if shape.drafts:
                 self._build_split_graphs(worker, shape, kv_width, num_pages, vocab)
+        for features in (GRAPHED_SAMPLING + GRAPHED_GENERAL) if dormancy else ():
+            def dormant(slots, page_rows, features=features):
+                return worker.dormant_decode(slots, page_rows, kv_width, features)
+
+            self.graphs[_dormant_key(features)] = GraphedFunction(
+                f"dormant decode ({features.name})", dormant,
+                [GraphInput((), long, pool.pad_slot), GraphInput((num_pages,), long, runner.sink_page)], device)
         return list(self.graphs.values())
 
 
@@ -260,6 +278,10 @@ class SpecPhases:
 
 def _verify_commit_key(features: SamplingFeatures, shape: DraftShape) -> str:
     return f"verify_commit:{features.name}:{shape.name}"
+
+
+def _dormant_key(features: SamplingFeatures) -> str:
+    return f"dormant:{features.name}"
 
 
 def _iteration_key(features: SamplingFeatures, shape: DraftShape) -> str:

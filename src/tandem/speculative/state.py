@@ -37,6 +37,9 @@ class SpecStatePool(StateRows):
                              if feature_size and catch_up_window else None)
         # Host-side staging for the per-step upload of pool rows and page tables (pinned on a GPU so
         # the copy is asynchronous); reused every step, guarded by a write-after-read edge.
+        # One buffer, [slot, page ids...] per row, so a step uploads both in one copy (the demo pair's steps
+        # wait on the host, where every copy call counts).
         pin = device.type == "cuda"
-        self.staging_slots = torch.zeros(max_requests, dtype=torch.long, pin_memory=pin)
-        self.staging_pages = torch.zeros(max_requests, max_pages_per_request, dtype=torch.long, pin_memory=pin)
+        self.staging = torch.zeros(max_requests, 1 + max_pages_per_request, dtype=torch.long, pin_memory=pin)
+        self.staging_slots = self.staging[:, 0]  # views of it
+        self.staging_pages = self.staging[:, 1:]

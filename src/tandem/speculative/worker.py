@@ -37,6 +37,7 @@ from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.sampler import SamplingFeatures, choose_tokens, graph_features, token_logprobs
 from tandem.models.llama import StepContext
 from tandem.runtime import prompt_logprobs
+from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
@@ -62,6 +63,7 @@ class SpecStats:
     steps_by_depth: list[int] = field(default_factory=list)  # [depth] -> engine steps that drafted that deep
     catch_ups: int = 0  # steps that first ran the draft over deferred tokens (speculative/catch_up.py)
     dormant_admitted: int = 0  # requests admitted without draft state (policy.admit)
+    dormant_steps: int = 0  # steps whose rows were all dormant: plain decoding's step (SpecWorker._launch_dormant)
 
     def record(self, accept_len: int, num_proposed: int, max_depth: int) -> None:
         self.num_drafts += 1
@@ -102,6 +104,7 @@ class SpecStepHandle:
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
     catch_up_queries: int = 0  # queries per row it ran: the deferred steps it could hold (0: no catch-up)
     catch_up_batch: int = 0  # the padded size of the rows it caught up (dormant rows never do)
+    dormant: bool = False  # its rows were all dormant: plain decoding's step, no option of the policy's
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
@@ -245,6 +248,9 @@ class SpecWorker:
         kv_bound = self.phases.graph_kv_width if self.phases.graphed(b) else max(len(c.page_ids) for c in chunks) * ps
 
         self._stage_page_tables(chunks)
+        if not shape.drafts and not features.constrained and self._all_dormant(handle.verify_ids):
+            self._launch_dormant(b, features, handle, outputs, kv_bound)
+            return
         catch_up_window, catch_up_rows = self._plan_catch_up(handle.verify_ids, shape)
         needs_catch_up = catch_up_window > 0
         if needs_catch_up:
@@ -267,8 +273,7 @@ class SpecWorker:
             s.read("page_table_staging", "plan")
             s.begin("plan", "page_table")
             s.write(f"page_rows[{it}]", "plan")
-            slots = pool.staging_slots[:b].to(runner.device, non_blocking=True, copy=True)
-            page_rows = pool.staging_pages[:b].to(runner.device, non_blocking=True, copy=True)
+            slots, page_rows = self._upload_staging(b)
             handle.staging_released = s.record("plan", "staging_released")
             table_ready = s.record("plan", "page_table")
             # Futures: seq_lens come from the previous step's verify/prefill on the main stream.
@@ -299,7 +304,8 @@ class SpecWorker:
         s.write("seq_lens", "main")
         accept = self._accept_and_commit(slots, vplan, tree, logits, features, self._synthetic_coins(tree), allowed)
         handle.max_depth = tree.max_depth
-        outputs["accept_lens"] = accept.accept_lens
+        if shape.drafts:  # (see _launch_verify_graphed)
+            outputs["accept_lens"] = accept.accept_lens
         outputs["out_tokens"] = accept.out_tokens
         if features.logprobs is not None:
             outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = self._verify_logprobs(
@@ -439,6 +445,64 @@ class SpecWorker:
         for i, c in enumerate(chunks):
             pages[i, : len(c.page_ids)] = c.page_ids
 
+    # ---- rows without draft state: plain decoding's step ---------------------------------------
+    def _all_dormant(self, request_ids) -> bool:
+        dormant = self.policy.dormant if self.policy is not None else ()
+        return bool(dormant) and all(rid in dormant for rid in request_ids)
+
+    def _launch_dormant(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs,
+                        kv_bound: int) -> None:
+        """A step whose rows are all dormant (policy.admit): none has draft state to keep, so it is plain
+        decoding's step on the pool's device state (`dormant_decode`), without the depth-0 iteration's
+        verify bookkeeping and deferred extends. Grammar-constrained batches keep the depth-0 iteration."""
+        s = self.streams
+        it = handle.iteration
+        self.stats.dormant_steps += 1
+        handle.dormant = True
+        s.read("page_table_staging", "main")
+        s.write(f"page_rows[{it}]", "main")
+        slots, page_rows = self._upload_staging(b)
+        handle.staging_released = s.record("main", "staging_released")
+        s.read("seq_lens", "main")
+        s.write("seq_lens", "main")
+        graphed = graph_features(features)
+        if self.phases.dormant_graphed(b, graphed):
+            out_tokens, *logprobs = self.phases.dormant(graphed, slots, page_rows)
+        else:
+            out_tokens, *logprobs = self.dormant_decode(slots, page_rows, kv_bound, features)
+        handle.max_depth = 0
+        outputs["out_tokens"] = out_tokens
+        if logprobs:
+            outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = logprobs
+
+    def dormant_decode(self, slots, page_rows, kv_bound: int, features: SamplingFeatures):
+        """One plain decode step of rows kept only in the pool (the body of the dormant-decode graph): the
+        root (the last verified token, at position seq_len) through the target, its token sampled as a
+        depth-0 verify would (the same position-keyed noise, so the same seeded tokens), the pool moved
+        on by one. (out_tokens [B, 1],) and with features.logprobs the chosen token's logprob [B, 1]
+        and the top values and ids [B, 1, n]."""
+        pool, runner = self.pool, self.runner
+        pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (padded graph rows: keep their positions small)
+        positions = pool.seq_lens[slots]
+        metadata = decode_metadata(page_rows, positions, kv_bound, runner.page_size, runner.backend.derives_causal_mask)
+        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
+        hidden, _ = runner.model(pool.verified_id[slots], positions, ctx)
+        logits = runner.model.compute_logits(hidden)
+        tokens = choose_tokens(logits, self.sampling.metadata(slots, positions + 1, features.penalties), features)
+        pool.verified_id[slots] = tokens
+        pool.seq_lens[slots] = positions + 1
+        if features.penalties:
+            self.sampling.add_outputs(slots, tokens[:, None])
+        if features.logprobs is None:
+            return (tokens[:, None],)
+        chosen, top_v, top_i = token_logprobs(logits, tokens, features.logprobs)
+        return tokens[:, None], chosen[:, None], top_v[:, None], top_i[:, None]
+
+    def _upload_staging(self, b: int):
+        """The step's pool rows [B] and page rows [B, P] on the device, in one copy (views of one upload)."""
+        rows = self.pool.staging[:b].to(self.runner.device, non_blocking=True, copy=True)
+        return rows[:, 0], rows[:, 1:]
+
     # ---- the whole iteration as one CUDA graph -----------------------------------------------
     def _launch_verify_graphed(self, b: int, features: SamplingFeatures, shape: DraftShape, handle: SpecStepHandle,
                                outputs, needs_catch_up: bool, catch_up_rows: list[int] | None = None) -> None:
@@ -449,8 +513,7 @@ class SpecWorker:
         it = handle.iteration
         s.read("page_table_staging", "main")
         s.write(f"page_rows[{it}]", "main")
-        slots = pool.staging_slots[:b].to(device, non_blocking=True, copy=True)
-        page_rows = pool.staging_pages[:b].to(device, non_blocking=True, copy=True)
+        slots, page_rows = self._upload_staging(b)
         handle.staging_released = s.record("main", "staging_released")
         synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _synthetic_coins)
         coin_shape = (b, self.phases.num_nodes(shape))
@@ -483,7 +546,8 @@ class SpecWorker:
             if logprobs:
                 outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = logprobs
         handle.max_depth = out_tokens.shape[1] - 1
-        outputs["accept_lens"] = accept_lens
+        if shape.drafts:  # (a depth-0 step accepts its root alone: the host knows its lengths)
+            outputs["accept_lens"] = accept_lens
         outputs["out_tokens"] = out_tokens
 
     def _no_coins(self, shape: tuple[int, int], device) -> torch.Tensor:
@@ -720,7 +784,7 @@ class SpecWorker:
                                  host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
                                  host["prefill_top_i"][:, None], result)
         if handle.verify_ids:
-            lens = host["accept_lens"].tolist()
+            lens = host["accept_lens"].tolist() if "accept_lens" in host else [1] * len(handle.verify_ids)
             outs = host["out_tokens"].tolist()
             for i, rid in enumerate(handle.verify_ids):
                 k = lens[i]
@@ -742,7 +806,7 @@ class SpecWorker:
         if self.policy is None:
             return
         self.policy.observe_step(handle.shape, handle.verify_ids, lens)
-        if not handle.prefill_ids:
+        if not handle.prefill_ids and not handle.dormant:  # (a dormant step is cheaper than any option)
             ms = step_ms if self.runner.device.type == "cuda" else handle.launch_ms
             catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
             self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms,
