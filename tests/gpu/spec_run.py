@@ -2,7 +2,7 @@
 deliberately broken configuration cannot take the test process's CUDA context down with it).
 
 python -m tests.gpu.spec_run OUT_DIR [--drop EDGE] [--no-overlap] [--no-plan] [--tree] [--plain] [--no-graph] [--triton]
-    [--logprobs] [--phase-graphs]
+    [--logprobs] [--phase-graphs] [--dormant]
     [--sampling greedy|seeded|seeded-penalties]
 """
 
@@ -43,6 +43,8 @@ def main(argv=None):
     ap.add_argument("--phase-graphs", action="store_true",
                     help="drop the whole-iteration graphs: speculative steps replay the three phase graphs with the "
                          "plan stream between them (the path of constrained steps with penalties or logprobs)")
+    ap.add_argument("--dormant", action="store_true",
+                    help="every request admitted dormant (no draft state): the dormant-decode graphs run")
     ap.add_argument("--sampling", choices=["greedy", "seeded", "seeded-penalties"], default="greedy",
                     help="seeded: a mix of seeded sampled requests (temperature, top-p, top-k, min-p) and greedy "
                          "ones, which the sampled whole-iteration graphs serve; seeded-penalties adds penalties")
@@ -63,6 +65,9 @@ def main(argv=None):
         graphs = engine.runner.spec.phases.graphs
         for name in [n for n in graphs if n.startswith("iteration:")]:
             del graphs[name]
+    if ns.dormant:
+        policy = engine.runner.spec.policy
+        policy.admit = lambda request_id, padded_batch: policy.dormant.add(request_id) or True
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
     if ns.sampling != "greedy":
         params = seeded_mix(16, penalties=ns.sampling == "seeded-penalties", logprobs=1 if ns.logprobs else None)

@@ -45,6 +45,17 @@ def test_graphed_speculation(root, plain_eager, flags):
     assert outputs(root, *flags, *SEEDED) == plain_eager
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-overlap"], ["--triton", "--logprobs"], ["--no-graph"]],
+                         ids=["graphed", "graphed-no-overlap", "triton-logprobs", "eager"])
+def test_dormant_rows_decode_as_plain(root, plain_eager, flags):
+    """Every request admitted dormant: plain decoding's step on the speculative pool (its graphs)."""
+    assert outputs(root, "--dormant", *flags, *SEEDED) == plain_eager
+
+
+def test_dormant_rows_with_penalties(root, plain_eager_penalties):
+    assert outputs(root, "--dormant", *PENALTIES) == plain_eager_penalties
+
+
 @pytest.mark.parametrize("flags", [[], ["--no-plan"], ["--tree"]], ids=["chain", "no-plan", "tree"])
 def test_eager_pipeline(root, plain_eager, flags):
     assert outputs(root, "--no-graph", *flags, *SEEDED) == plain_eager
