@@ -93,6 +93,33 @@ def all_dormant(engine) -> None:
     policy.admit = admit
 
 
+def graph_replay_ms(engines, sizes, temperature: float) -> dict:
+    """Per batch size: the replay time of plain decoding's graph, speculation's depth-0 and deepest
+    whole-iteration graphs and the dormant-decode graph (the sampling kind of the run). Timed first, while
+    every static input still holds the padding of capture: a replay writes only the sink page and pad rows."""
+    if not torch.cuda.is_available():
+        return {}
+    from tandem.layers.sampler import GREEDY, SAMPLED
+    from tandem.speculative.worker import _replay_ms
+
+    kind = GREEDY if temperature == 0 else SAMPLED
+    graphs = {"plain": engines["plain"].runner.decode_graphs.get(kind)}
+    phases = engines["dormant"].runner.spec.phases
+    graphs.update({"depth 0": phases.graphs.get(f"iteration:{kind.name}:chain0"),
+                   "chain 3": phases.graphs.get(f"iteration:{kind.name}:chain3"),
+                   "dormant": phases.graphs.get(f"dormant:{kind.name}")})
+    out = {}
+    for b in sizes:
+        row = {}
+        for name, graph in graphs.items():
+            if graph is not None and graph.fits(b):
+                padded = min(s for s in graph.graphs if s >= b)
+                row[name] = round(min(_replay_ms(graph.graphs[padded], 20) for _ in range(3)), 4)
+        out[b] = row
+    torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -119,6 +146,7 @@ def main() -> None:
     plain_wait(timers)
     engines = {name: Engine(**config) for name, config in configs.items()}
     all_dormant(engines["dormant"])
+    replays = graph_replay_ms(engines, ns.batch_sizes, ns.temperature)
     vocab = engines["plain"].arch.vocab_size
     result = {"tool": "bench/host_profile.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": ["python", *sys.argv], "torch": torch.__version__,
@@ -167,6 +195,11 @@ def main() -> None:
         for label in labels:
             print(f"{label:<20}" + "".join(f"{point['engines'][n]['us_per_decode_step'].get(label, 0):>10}"
                                           for n in engines))
+    result["graph_replay_ms"] = replays
+    if replays:
+        print("\ngraph replay ms (GPU time of one step's graph, padded rows, before any request)")
+        for b, row in replays.items():
+            print(f"  batch {b}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
     result["profiles"] = profiles
     for name, text in profiles.items():
         print(f"\n==== cProfile, {name}, batch {ns.batch_sizes[-1]}")

@@ -193,7 +193,10 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
     at a_1 > 0.8, which those 8 rejections rule out); in the second wave, the real `admit` makes every
     request dormant but each eighth (a sentinel), and those never reach the draft's prefill."""
     from tandem.bench import synthetic
-    from tandem.speculative.policy import SENTINEL_EVERY
+    from tandem.speculative import policy as policy_module
+
+    SENTINEL_EVERY = 8  # (the engine's is 32: fewer prompts this way)
+    monkeypatch.setattr(policy_module, "SENTINEL_EVERY", SENTINEL_EVERY)
 
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
@@ -258,7 +261,10 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
     dormant, including those of the first chunks, which the running batch alone (1-4 rows then) would
     have kept drafting."""
     from tandem.bench import synthetic
-    from tandem.speculative.policy import SENTINEL_EVERY
+    from tandem.speculative import policy as policy_module
+
+    SENTINEL_EVERY = 8  # (the engine's is 32: fewer prompts this way)
+    monkeypatch.setattr(policy_module, "SENTINEL_EVERY", SENTINEL_EVERY)
 
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3",

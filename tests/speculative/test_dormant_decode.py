@@ -1,5 +1,5 @@
 """Batches of dormant requests (admitted without draft state, policy.admit) run plain decoding's step on the
-speculative pool (SpecWorker.dormant_decode). Against plain decoding itself: greedy tokens equal, seeded
+speculative pool (SpecWorker.root_decode). Against plain decoding itself: greedy tokens equal, seeded
 sampled tokens equal (penalties and logprobs included), eager and through the emulated CUDA graphs, overlap
 on and off, under the stream-order checker; and a batch that mixes dormant rows with drafting ones, whose
 drafting rows finish first, moves to the dormant step once only dormant rows are left."""

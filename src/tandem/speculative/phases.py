@@ -103,7 +103,7 @@ class SpecPhases:
         return graph is not None and graph.fits(batch_size)
 
     def dormant(self, features: SamplingFeatures, slots, page_rows):
-        """SpecWorker.dormant_decode replayed: (out_tokens [B, 1],) and with logprobs (GENERAL) the
+        """SpecWorker.root_decode (without deferred extends) replayed: (out_tokens [B, 1],) and with logprobs (GENERAL) the
         chosen token's [B, 1] and the top values and ids [B, 1, 20]."""
         return self.graphs[_dormant_key(features)](slots, page_rows)
 
@@ -238,7 +238,7 @@ class SpecPhases:
                 self._build_split_graphs(worker, shape, kv_width, num_pages, vocab)
         for features in (GRAPHED_SAMPLING + GRAPHED_GENERAL) if dormancy else ():
             def dormant(slots, page_rows, features=features):
-                return worker.dormant_decode(slots, page_rows, kv_width, features)
+                return worker.root_decode(slots, page_rows, kv_width, features, defer=False)
 
             self.graphs[_dormant_key(features)] = GraphedFunction(
                 f"dormant decode ({features.name})", dormant,

@@ -1,8 +1,7 @@
 """Adaptive speculation: each step, the draft shape that maximises expected tokens per second.
 
-The options are chains of depth d = 0, 1, ..., num_steps (d = 0: the target verifies the root alone, a
-plain decode step whose draft extend keeps the draft's state in sync, so drafting resumes next step at
-no extra cost) and, when the configured drafting is a tree (topk > 1), that tree. For the batch about to
+The options are chains of depth d = 0, 1, ..., num_steps (d = 0: plain decoding's step, whose draft extend
+is deferred and caught up before the next drafting step, speculative/catch_up.py) and, when the configured drafting is a tree (topk > 1), that tree. For the batch about to
 run the policy picks the option with the most expected tokens per millisecond:
 
     expected tokens of a request at depth d = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d
@@ -28,12 +27,14 @@ weight (OUTLIER_RATIO).
 
 Dormant requests: keeping a draft's state costs even while nothing is drafted (its prefill, and a
 catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
-32, 64 and 128, 8B shape, H200). So once the engine's measured acceptance says drafting does not pay at the
-batch a new request joins (the running one plus the queued requests with room), it is admitted *dormant*
-(`admit`): no draft prefill, no catch-ups; it decodes at depth 0, and in a step that drafts for others it
-counts as a row that accepts nothing (its drafts come from no state, harmless to the output: the target's
-tokens decide; they can be NaN, which the tree builder reads as -inf). Every SENTINEL_EVERY-th request
-keeps its draft, so acceptance stays measured (its probes), and new requests draft again once it pays.
+32, 64 and 128, 8B shape, H200). So once the engine is sure enough that drafting does not pay at the batch
+a new request joins (the running one plus the queued requests with room: even with a_1 at the upper end of
+its 95% interval, `optimistic_acceptance`), it is admitted *dormant* (`admit`): no draft prefill, no
+catch-ups. A batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
+step that drafts for others a dormant row counts as a row that accepts nothing (its drafts come from no
+state, harmless to the output: the target's tokens decide; they can be NaN, which the tree builder reads
+as -inf). Every SENTINEL_EVERY-th request keeps its draft, so acceptance stays measured (its probes), and
+new requests draft again once it pays.
 
 Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
 Only the steps' cost and the accept lengths depend on the choice. Pure Python: unit-tested with a
@@ -55,7 +56,12 @@ TRUSTED_OBSERVATIONS = 10
 # Dormant admission (see above): one request in this many keeps its draft while others are admitted
 # dormant; the engine's acceptance needs this many observations of position 1 before any request is; and
 # drafting must lose by this margin (relative tokens per ms) at the running batch size.
-SENTINEL_EVERY = 8
+# One request in 32 keeps its draft (one in 8 before): a sentinel pays the draft's upkeep for the probes
+# it is there for, and on a host-bound engine that upkeep is large (on an H200 the demo pair's batch of
+# one ran 17% slower with its sentinel than dormant, at temperature 1), while a batch of dormant rows
+# alone runs plain decoding's step. Probes are as frequent either way (one per probe interval of a batch
+# size, observing every drafting row); what a rarer sentinel delays is noticing that acceptance rose.
+SENTINEL_EVERY = 32
 DORMANT_MIN_OBSERVATIONS = 8
 # How sure the engine must be that drafting does not pay: the rate of position 1 (which gates every deeper
 # one) counts at the upper end of its one-sided 95% Wilson interval (z = 1.64) over the observations
@@ -413,8 +419,9 @@ class DepthPolicy:
         # The batch's expected tokens at every chain depth in one pass, from cached per-request sums
         # (this runs on the host every step; a loop over requests per option took 47 us at batch 32
         # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
-        per_request = [self._expected_of(rid) for rid in request_ids]
-        tree_each = [1.0 if rid in self.dormant else self.tree_tokens for rid in request_ids]
+        dormant, nothing = self.dormant, self._accept_nothing
+        per_request = [nothing if rid in dormant else self._expected_of(rid) for rid in request_ids]
+        tree_each = [1.0 if rid in dormant else self.tree_tokens for rid in request_ids]
         if remaining is not None:
             for i, left in enumerate(remaining):
                 if left <= self.num_steps:  # near its end: depth past left - 1 adds nothing
@@ -487,8 +494,10 @@ class DepthPolicy:
         most = max(remaining)
         last = [i for i, left in enumerate(remaining) if left > most - (self.num_steps + 1)]
         factors = self._straggler_factors(len(last), most)
-        chain = [sum(per_request[i][d] for i in last) / (len(last) * factors[d]) for d in range(self.num_steps + 1)]
-        tree = sum(tree_each[i] for i in last) / (len(last) * factors[-1])
+        n = len(last)
+        columns = zip(*[per_request[i] for i in last])  # (column sums: a generator per depth cost 20 us at batch 32)
+        chain = [sum(column) / (n * factor) for column, factor in zip(columns, factors)]
+        tree = sum(tree_each[i] for i in last) / (n * factors[-1])
         return chain, tree
 
     def _learning(self, request_ids) -> bool:

@@ -22,8 +22,10 @@ GENERAL for penalties, logit bias, min_tokens and logprobs): the graph builds th
 plan stream has nothing left to overlap (measured: with graphs it neither helped nor hurt,
 docs/performance.md). A constrained step that drafts replays two graphs with the host's tree masks
 between; constrained steps with penalties, logprobs or top-k keep the choreography above, with the
-three phases graphed separately. A step that drafts after depth-0 steps first runs the draft over
-their deferred tokens (speculative/catch_up.py).
+three phases graphed separately. A depth-0 step (adaptive speculation) is plain decoding's step on the
+pool with the draft extend deferred (`root_decode`); a step that drafts after depth-0 steps first runs
+the draft over their deferred tokens (speculative/catch_up.py); and a batch of dormant rows, which keep
+no draft state, runs plain decoding's step alone (`_launch_dormant`).
 """
 
 from __future__ import annotations
@@ -267,6 +269,9 @@ class SpecWorker:
                 features.constrained and shape.drafts and self.phases.split_graphed(b, features, shape)):
             self._launch_verify_graphed(b, graphed, shape, handle, outputs, needs_catch_up, catch_up_rows)
             return
+        if not shape.drafts:
+            self._launch_root_eager(b, features, handle, outputs, kv_bound, catch_up_window, catch_up_rows)
+            return
 
         # Plan stream: upload, then the verify plan.
         with s.on("plan"):
@@ -310,11 +315,6 @@ class SpecWorker:
         if features.logprobs is not None:
             outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = self._verify_logprobs(
                 logits, accept, features.logprobs)
-        if not shape.drafts:
-            # One node per row: hidden and aux are [B, H], the root's features.
-            catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0], self._feature(hidden, aux))
-            return
-
         # Plan stream: draft-extend metadata. It is padded to the deepest possible run, so it needs
         # only the page rows and the old lengths (both the plan stream's own): no wait on verify.
         q = tree.max_depth + 1
@@ -453,46 +453,81 @@ class SpecWorker:
     def _launch_dormant(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs,
                         kv_bound: int) -> None:
         """A step whose rows are all dormant (policy.admit): none has draft state to keep, so it is plain
-        decoding's step on the pool's device state (`dormant_decode`), without the depth-0 iteration's
-        verify bookkeeping and deferred extends. Grammar-constrained batches keep the depth-0 iteration."""
+        decoding's step on the pool's device state (`root_decode` without the deferred extends), on a GPU
+        the dormant-decode graph. Grammar-constrained batches keep the depth-0 iteration."""
         s = self.streams
-        it = handle.iteration
         self.stats.dormant_steps += 1
         handle.dormant = True
-        s.read("page_table_staging", "main")
-        s.write(f"page_rows[{it}]", "main")
-        slots, page_rows = self._upload_staging(b)
-        handle.staging_released = s.record("main", "staging_released")
+        slots, page_rows = self._upload_on_main(b, handle)
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
         graphed = graph_features(features)
         if self.phases.dormant_graphed(b, graphed):
             out_tokens, *logprobs = self.phases.dormant(graphed, slots, page_rows)
         else:
-            out_tokens, *logprobs = self.dormant_decode(slots, page_rows, kv_bound, features)
+            out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, defer=False)
+        self._root_outputs(handle, outputs, out_tokens, logprobs)
+
+    def _launch_root_eager(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs, kv_bound: int,
+                           catch_up_window: int, catch_up_rows: list[int] | None) -> None:
+        """An eager depth-0 step: the catch-up when one is due, then `root_decode`. Everything on the main
+        stream: there is no verify plan for the plan stream to prepare."""
+        s, runner = self.streams, self.runner
+        slots, page_rows = self._upload_on_main(b, handle)
+        if catch_up_window:
+            started = time.perf_counter()
+            self.phases.catch_up(*self._catch_up_rows(slots, page_rows, catch_up_rows), kv_bound, catch_up_window)
+            if runner.device.type != "cuda":
+                handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
+        allowed = self.runner.grammar_masks(handle.verify_ids) if features.constrained else None
+        s.read("seq_lens", "main")
+        s.write("seq_lens", "main")
+        out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, allowed)
+        self._root_outputs(handle, outputs, out_tokens, logprobs)
+
+    def _upload_on_main(self, b: int, handle: SpecStepHandle):
+        """The staged pool rows and page rows, uploaded on the main stream (steps without a plan to prepare)."""
+        s = self.streams
+        s.read("page_table_staging", "main")
+        s.write(f"page_rows[{handle.iteration}]", "main")
+        slots, page_rows = self._upload_staging(b)
+        handle.staging_released = s.record("main", "staging_released")
+        return slots, page_rows
+
+    @staticmethod
+    def _root_outputs(handle: SpecStepHandle, outputs, out_tokens, logprobs) -> None:
         handle.max_depth = 0
         outputs["out_tokens"] = out_tokens
         if logprobs:
             outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = logprobs
 
-    def dormant_decode(self, slots, page_rows, kv_bound: int, features: SamplingFeatures):
-        """One plain decode step of rows kept only in the pool (the body of the dormant-decode graph): the
-        root (the last verified token, at position seq_len) through the target, its token sampled as a
-        depth-0 verify would (the same position-keyed noise, so the same seeded tokens), the pool moved
-        on by one. (out_tokens [B, 1],) and with features.logprobs the chosen token's logprob [B, 1]
-        and the top values and ids [B, 1, n]."""
+    def root_decode(self, slots, page_rows, kv_bound: int, features: SamplingFeatures, allowed=None,
+                    defer: bool = True):
+        """A depth-0 step: plain decoding's step on the pool's device state (the body of the depth-0 and
+        dormant-decode graphs). The root (the last verified token, at position seq_len) goes through the
+        target; its token is sampled with the noise of its position, as verifying the root alone would
+        (so the same seeded tokens); the pool moves on by one; and with `defer` the draft extend over the
+        new token is deferred (speculative/catch_up.py; dormant rows keep no draft state to defer for).
+        allowed: [B, V] bool, the root's grammar masks, or None. Returns (out_tokens [B, 1],) and with
+        features.logprobs the chosen token's logprob [B, 1] and the top values and ids [B, 1, n]. (The
+        root verified as a one-node tree cost ten kernels more, 1.4% of an 8B-shape step on an H200.)"""
         pool, runner = self.pool, self.runner
         pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (padded graph rows: keep their positions small)
         positions = pool.seq_lens[slots]
         metadata = decode_metadata(page_rows, positions, kv_bound, runner.page_size, runner.backend.derives_causal_mask)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
-        hidden, _ = runner.model(pool.verified_id[slots], positions, ctx)
+        aux_layers = self.drafter.model.aux_layer_ids if defer else ()
+        hidden, aux = runner.model(pool.verified_id[slots], positions, ctx, aux_layer_ids=aux_layers)
         logits = runner.model.compute_logits(hidden)
-        tokens = choose_tokens(logits, self.sampling.metadata(slots, positions + 1, features.penalties), features)
+        meta = self.sampling.metadata(slots, positions + 1, features.penalties)
+        meta.allowed = allowed
+        tokens = runner.tp.broadcast_(choose_tokens(logits, meta, features).contiguous())  # (_same_on_every_rank)
         pool.verified_id[slots] = tokens
         pool.seq_lens[slots] = positions + 1
         if features.penalties:
             self.sampling.add_outputs(slots, tokens[:, None])
+        if defer:
+            catch_up.defer_extend(pool, slots, tokens, self._feature(hidden, aux))
         if features.logprobs is None:
             return (tokens[:, None],)
         chosen, top_v, top_i = token_logprobs(logits, tokens, features.logprobs)
@@ -562,7 +597,10 @@ class SpecWorker:
                          shape: DraftShape, allowed=None):
         """One speculative iteration from device state alone (the body of the whole-iteration graph):
         draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
-        same phases with the plan stream preparing metadata beside the draft."""
+        same phases with the plan stream preparing metadata beside the draft. Depth 0 is `root_decode`."""
+        if not shape.drafts:
+            out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, allowed)
+            return (torch.ones_like(out_tokens[:, 0]), out_tokens, *logprobs)  # (accept lengths: the root alone)
         tree = self.draft_for_iteration(slots, page_rows, kv_bound, shape)
         return self.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_bound, features, shape, allowed)
 
@@ -594,11 +632,6 @@ class SpecWorker:
         results = (accept.accept_lens, accept.out_tokens)
         if features.logprobs is not None:
             results += self._verify_logprobs(logits, accept, features.logprobs)
-        if not shape.drafts:
-            catch_up.defer_extend(pool, slots, accept.out_tokens[:, 0],
-                                  self._feature(hidden.reshape(-1, hidden.shape[-1]),
-                                                [a.reshape(-1, a.shape[-1]) for a in aux]))
-            return results
         first_pos = seq_lens + 1 - drafter.model.token_offset
         ext_meta = plan.extend_metadata(page_rows, first_pos, tree.max_depth + 1, kv_bound, ps)
         features_in = self._accepted_features(hidden.reshape(-1, hidden.shape[-1]),
