@@ -253,6 +253,32 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
 
 
+def test_running_requests_drop_their_draft_state_once_drafting_cannot_pay(spec_models, reference, monkeypatch):
+    """Synthetic acceptance 0 (BENCHMARK ONLY coins: nothing is accepted, so the tokens are the target's) and
+    a frozen cost table where a chain of one costs 1.8x depth 0: eight requests are admitted with their
+    drafts (nothing observed yet); the learning probe rejects all eight, and at the next demotion check
+    (every DEMOTE_EVERY steps) all eight drop their draft state and the batch runs plain decoding's step.
+    The tokens stay plain greedy decoding's; nothing is caught up for them after."""
+    from tandem.bench import synthetic
+    from tandem.speculative.worker import DEMOTE_EVERY
+
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        spec = e.runner.spec
+        for bs in range(1, 17):
+            for shape in spec.policy.options:
+                spec.policy.cost_ms[(bs, shape)] = 1.0 + 0.8 * shape.depth
+        synthetic.install(e, 0.0)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = e.generate(input_ids=PROMPTS[:8], sampling_params=params)
+        assert [o.token_ids for o in outs] == reference[:8]
+        assert spec.stats.dormant_admitted == 0 and spec.stats.dormant_demoted == 8
+        assert spec.stats.dormant_steps >= NEW_TOKENS - 1 - DEMOTE_EVERY
+        assert not spec.lag  # (no deferred extends are kept for them)
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+
+
 def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, monkeypatch):
     """A burst of 16 prompts is prefilled a chunk budget (64 tokens) at a time. Frozen costs where drafts
     pay up to batch 4 (depth d: 1 + 0.01 d ms) and lose from batch 5 (1 + d), synthetic acceptance 0.5

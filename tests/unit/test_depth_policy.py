@@ -199,6 +199,44 @@ def test_requests_are_admitted_dormant_only_when_drafting_does_not_pay():
     assert not any(q.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY))
 
 
+def test_running_requests_drop_their_draft_once_drafting_cannot_pay():
+    """Costs where a chain of one costs 1.6x depth 0 (it pays only at a_1 > 0.6): before 8 observations
+    nothing is demoted; after 8 rejections every running request but the sentinels drops its draft state;
+    at acceptance 0.9 nobody does."""
+    from tandem.speculative.policy import SENTINEL_EVERY
+
+    costs = {8: [1.0, 1.6, 2.0, 2.4]}
+    p = policy_with_costs(costs, probe_every=10**9)
+    teach(p, [0.0, 0.0, 0.0], steps=4)
+    assert p.demote(["a", "b"], 8) == []  # too early to tell
+    teach(p, [0.0, 0.0, 0.0], steps=4)
+    for i in range(SENTINEL_EVERY):  # the SENTINEL_EVERY-th admission keeps its draft
+        p.admit(f"late{i}", 8)
+    sentinel = f"late{SENTINEL_EVERY - 1}"
+    assert sentinel in p.sentinels and sentinel not in p.dormant
+    assert p.demote(["a", "b", sentinel, "late0"], 8) == ["a", "b"]
+    assert {"a", "b"} <= p.dormant and sentinel not in p.dormant
+    assert p.demote(["a", "b", sentinel], 8) == []  # nothing left to drop
+    assert p.demote(["c"], 64) == []  # no cost table there
+    q = policy_with_costs(costs, probe_every=10**9)
+    teach(q, [0.9, 0.9, 0.9], steps=8)
+    assert q.demote(["a", "b"], 8) == []
+
+
+def test_a_dormant_steps_cost_decides_once_it_is_timed():
+    """Drafting is judged against a dormant row's own step (plain decoding's) once that is timed: chain one
+    costs 1.2 ms, depth 0 1.0 ms (a_1 must beat 0.2); with dormant steps at 0.7 ms a_1 must beat 0.71, so
+    a learned a_1 of about 0.5 (upper end of its interval about 0.6 after 64 observations) keeps drafting
+    against depth 0 but not against the dormant step."""
+    costs = {8: [1.0, 1.2, 1.6, 2.0]}
+    p = policy_with_costs(costs, probe_every=10**9)
+    teach(p, [0.5, 0.0, 0.0], steps=64)
+    assert 0.4 < p.acceptance[0] < 0.6 and p.optimistic_acceptance()[0] < 0.65
+    assert not p.admit("r1", 8)
+    p.observe_dormant_time(8, 0.7, weight=1.0)
+    assert p.admit("r2", 8)
+
+
 def wilson_upper(a: float, n: int, z: float = 1.64) -> float:
     """The upper end of the one-sided Wilson interval, written out independently of the policy's."""
     return (a + z * z / (2 * n) + z * ((a * (1 - a) + z * z / (4 * n)) / n) ** 0.5) / (1 + z * z / n)

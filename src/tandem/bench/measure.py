@@ -35,6 +35,8 @@ class RunMetrics:
     steps_by_depth: list[int] | None = None
     catch_ups: int | None = None
     dormant_admitted: int | None = None
+    dormant_demoted: int | None = None  # running requests that dropped their draft state
+    dormant_steps: int | None = None  # steps of dormant rows alone (plain decoding's step)
     # The policy's cost table at the batch's padded size after the run (ms; what its choices rested on).
     policy_costs_ms: dict | None = None
     # Wall time of each engine step until every request had its first token (where time to first token goes).
@@ -138,6 +140,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
             old_steps = before[3] + [0] * (len(after[3]) - len(before[3]))
             metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
             metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
+            metrics.dormant_demoted, metrics.dormant_steps = after[6] - before[6], after[7] - before[7]
             row = spec.policy.cost_row(spec.padded_batch(len(prompts)))
             metrics.policy_costs_ms = {k: round(v, 4) for k, v in row.items()}
     return metrics, tokens
@@ -148,14 +151,14 @@ def _grammar_time(engine) -> float:
     return 0.0 if grammar is None else grammar.mask_seconds
 
 
-def _spec_counts(spec) -> tuple[int, int, list[int], list[int], int, int]:
-    """Verify steps, accepted drafts, accepted drafts per depth, steps by depth, catch-ups and dormant
-    admissions, so far (the stats are cumulative)."""
+def _spec_counts(spec) -> tuple:
+    """Verify steps, accepted drafts, accepted drafts per depth, steps by depth, catch-ups, dormant
+    admissions, demotions and dormant steps, so far (the stats are cumulative)."""
     if spec is None:
-        return 0, 0, [], [], 0, 0
+        return 0, 0, [], [], 0, 0, 0, 0
     s = spec.stats
     return (s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_position), list(s.steps_by_depth),
-            s.catch_ups, s.dormant_admitted)
+            s.catch_ups, s.dormant_admitted, s.dormant_demoted, s.dormant_steps)
 
 
 def _sync(engine) -> None:

@@ -185,6 +185,8 @@ class DepthPolicy:
         self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
+        self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
+        self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
         self._admitted = 0
 
     def reset_acceptance(self) -> None:
@@ -309,6 +311,7 @@ class DepthPolicy:
         for rid in request_ids:
             self._requests.pop(rid, None)
             self.dormant.discard(rid)
+            self.sentinels.discard(rid)
 
     def cost_row(self, padded_batch: int) -> dict[str, float]:
         """The cost table at one padded batch size, by option name, and depth 0's catch-up share (ms; for
@@ -322,16 +325,40 @@ class DepthPolicy:
     # ---- dormant admission -------------------------------------------------------------------------------
     def admit(self, request_id: str, padded_batch: int) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
-        dormant, without draft state, because at `padded_batch` (the running batch's padded size) no
-        drafting option is expected to beat depth 0 even if position 1's rate were as high as its
-        observations allow (`optimistic_acceptance`); every SENTINEL_EVERY-th request keeps its draft
-        all the same."""
+        dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
+        does not pay (`_drafting_cannot_pay`); every SENTINEL_EVERY-th request keeps its draft all the same."""
         self.dormant.discard(request_id)
+        self.sentinels.discard(request_id)
         if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
             return False
         self._admitted += 1
         if self._admitted % SENTINEL_EVERY == 0:
+            self.sentinels.add(request_id)
             return False
+        if not self._drafting_cannot_pay(padded_batch):
+            return False
+        self.dormant.add(request_id)
+        return True
+
+    def demote(self, request_ids, padded_batch: int) -> list[str]:
+        """The requests of a running batch that should drop their draft state now: every one but the
+        sentinels, once drafting cannot pay at this batch (the test `admit` makes). Those admitted while
+        drafting still looked worth it otherwise kept paying the draft's upkeep (catch-ups, and a batch of
+        dormant rows alone runs plain decoding's cheaper step) for the rest of their run: on an H200 the
+        demo pair at temperature 1 went dormant at admission only from its fourth run of a batch size.
+        Dropping is for good (a dormant request never gets its draft state back)."""
+        if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
+            return []
+        keeping = [rid for rid in request_ids if rid not in self.dormant and rid not in self.sentinels]
+        if not keeping or not self._drafting_cannot_pay(padded_batch):
+            return []
+        self.dormant.update(keeping)
+        return keeping
+
+    def _drafting_cannot_pay(self, padded_batch: int) -> bool:
+        """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
+        were as high as its observations allow (`optimistic_acceptance`). A dormant row's step costs what
+        a batch of dormant rows costs (plain decoding's step), depth 0's until such steps were timed."""
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
@@ -339,13 +366,19 @@ class DepthPolicy:
         expected = expected_by_depth(self.optimistic_acceptance())
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = self.tree_tokens * expected[-1] / expected_by_depth(rates)[-1]
-        depth0 = costs[self.options[0]]  # a dormant row defers nothing: no catch-up share
+        dormant_step = self.dormant_cost_ms.get(padded_batch, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
-        if best_drafting >= 1.0 / depth0:
-            return False
-        self.dormant.add(request_id)
-        return True
+        return best_drafting < 1.0 / dormant_step
+
+    def observe_dormant_time(self, padded_batch: int, ms: float, weight: float | None = None) -> None:
+        """A step of dormant rows alone (plain decoding's step): its time, kept as the options' are (start-up
+        timing with `weight`; online, a moving average clipped at OUTLIER_RATIO)."""
+        old = self.dormant_cost_ms.get(padded_batch)
+        if old is None or weight is not None:
+            self.dormant_cost_ms[padded_batch] = ms if old is None else old + weight * (ms - old)
+            return
+        self.dormant_cost_ms[padded_batch] = old + self.decay * (min(ms, OUTLIER_RATIO * old) - old)
 
     def optimistic_acceptance(self) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =

@@ -54,6 +54,11 @@ from tandem.speculative.verify import AcceptResult, accept_target_tokens
 from tandem.structured.matchers import allowed_on_device
 
 
+# How often (in steps) the running batch is checked for requests that should drop their draft state
+# (DepthPolicy.demote: a pass over the batch and one cost comparison).
+DEMOTE_EVERY = 16
+
+
 @dataclass
 class SpecStats:
     """Engine-wide counters (the server exports them as spec_decode_* metrics)."""
@@ -66,6 +71,7 @@ class SpecStats:
     catch_ups: int = 0  # steps that first ran the draft over deferred tokens (speculative/catch_up.py)
     dormant_admitted: int = 0  # requests admitted without draft state (policy.admit)
     dormant_steps: int = 0  # steps whose rows were all dormant: plain decoding's step (SpecWorker._launch_dormant)
+    dormant_demoted: int = 0  # running requests that dropped their draft state (policy.demote)
 
     def record(self, accept_len: int, num_proposed: int, max_depth: int) -> None:
         self.num_drafts += 1
@@ -135,6 +141,7 @@ class SpecWorker:
         self.catch_up_ms: dict[int, float] = {}  # padded batch -> catch-up graph time (start-up timing)
         self.grammar = None  # structured/matchers.GrammarRows once a constrained request arrived (the runner's)
         self._coin_buffers: dict[int, torch.Tensor] = {}  # nodes -> [rows, nodes] False (no synthetic coins)
+        self._steps_since_demotion = 0
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -169,6 +176,9 @@ class SpecWorker:
         graph = self.phases.iteration_graph(replace(GREEDY, constrained=True), depth0)
         for bs in sorted(graph.graphs) if graph is not None else ():
             self.policy.observe_time(bs, depth0, _replay_ms(graph.graphs[bs], replays), weight=1.0, constrained=True)
+        dormant = self.phases.graphs.get("dormant:greedy")
+        for bs in sorted(dormant.graphs) if dormant is not None else ():
+            self.policy.observe_dormant_time(bs, _replay_ms(dormant.graphs[bs], replays), weight=1.0)
         catch_up_graph = self.phases.graphs.get("catch_up")
         for bs, graph in (catch_up_graph.graphs.items() if catch_up_graph is not None else ()):
             self.catch_up_ms[bs] = _replay_ms(graph, replays)
@@ -193,6 +203,13 @@ class SpecWorker:
         verify = [c for c in sched.chunks if self.is_verify(c)]
         if self.policy is None or not verify:
             return None
+        self._steps_since_demotion += 1
+        if self._steps_since_demotion >= DEMOTE_EVERY:
+            self._steps_since_demotion = 0
+            demoted = self.policy.demote([c.request_id for c in verify], self.padded_batch(len(verify)))
+            for rid in demoted:
+                self.lag.pop(rid, None)  # (its deferred extends are dropped with its draft state)
+            self.stats.dormant_demoted += len(demoted)
         dormant = self.policy.dormant
         if dormant and all(c.request_id in dormant for c in verify):
             # No row has draft state: drafts would accept nothing and teach nothing. (Asking the policy
@@ -839,7 +856,10 @@ class SpecWorker:
         if self.policy is None:
             return
         self.policy.observe_step(handle.shape, handle.verify_ids, lens)
-        if not handle.prefill_ids and not handle.dormant:  # (a dormant step is cheaper than any option)
+        if handle.dormant and not handle.prefill_ids:  # (plain decoding's step: no option of the policy's)
+            self.policy.observe_dormant_time(handle.padded_batch,
+                                             step_ms if self.runner.device.type == "cuda" else handle.launch_ms)
+        elif not handle.prefill_ids:
             ms = step_ms if self.runner.device.type == "cuda" else handle.launch_ms
             catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
             self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms,
