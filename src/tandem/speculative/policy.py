@@ -30,7 +30,8 @@ catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% o
 32, 64 and 128, 8B shape, H200). So once the engine is sure enough that drafting does not pay at the batch
 a new request joins (the running one plus the queued requests with room: even with a_1 at the upper end of
 its 95% interval, `optimistic_acceptance`), it is admitted *dormant* (`admit`): no draft prefill, no
-catch-ups. A batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
+catch-ups; running requests drop their draft state once the same holds for their batch (`demote`). A
+batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
 step that drafts for others a dormant row counts as a row that accepts nothing (its drafts come from no
 state, harmless to the output: the target's tokens decide; they can be NaN, which the tree builder reads
 as -inf). Every SENTINEL_EVERY-th request keeps its draft, so acceptance stays measured (its probes), and
