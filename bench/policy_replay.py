@@ -38,6 +38,7 @@ def main() -> None:
     ns = ap.parse_args()
     DepthPolicy.observe_time = lambda self, *args, **kwargs: None  # the cost table stays as set below
     DepthPolicy.observe_catch_up = lambda self, *args, **kwargs: None
+    DepthPolicy.observe_dormant_time = lambda self, *args, **kwargs: None  # (a dormant step: depth 0's cost)
     target, head = demo_model_paths()
     engine = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, device="cpu",
                     max_running_requests=max(ns.batch_sizes), context_length=64 + ns.output_len + 16)
