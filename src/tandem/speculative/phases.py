@@ -52,11 +52,9 @@ class SpecPhases:
         b, n = tokens.shape
         vplan = plan.VerifyPlan(seq_lens, node_slots, node_cols, kv_slots, prefix_mask)
         chain = self.chain if chain is None else chain
-        if n == 1:  # the root alone (adaptive depth 0): plain decoding's metadata and kernel
-            metadata = plan.root_only_metadata(vplan, runner.backend.derives_causal_mask)
-        else:
-            ancestors = chain_ancestor_mask(b, n, tokens.device) if chain else ancestor_mask(parents)
-            metadata = plan.verify_metadata(vplan, ancestors)
+        # (Depth 0 never gets here: it is plain decoding's step, SpecWorker.root_decode.)
+        ancestors = chain_ancestor_mask(b, n, tokens.device) if chain else ancestor_mask(parents)
+        metadata = plan.verify_metadata(vplan, ancestors)
         positions = (seq_lens[:, None] + depths).reshape(-1)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
         hidden, aux = runner.model(tokens.reshape(-1), positions, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)

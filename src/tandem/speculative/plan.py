@@ -25,15 +25,14 @@ class VerifyPlan:
     node_slots: torch.Tensor  # [B, N] cache slot of tree node j: position seq_len + j
     node_cols: torch.Tensor  # [B, N] KV column of node j in the window
     kv_slots: torch.Tensor  # [B, L]
-    prefix_mask: torch.Tensor | None  # [B, N, L] the cached prefix, visible to every node (None: the root alone)
+    prefix_mask: torch.Tensor  # [B, N, L] the cached prefix, visible to every node
 
 
 def plan_verify(page_rows, seq_lens, num_nodes: int, kv_bound: int, page_size: int) -> VerifyPlan:
     b, device = page_rows.shape[0], page_rows.device
     kv_pos = torch.arange(kv_bound, device=device).expand(b, -1)  # [B, L]
     node_pos = seq_lens[:, None] + torch.arange(num_nodes, device=device)  # [B, N]
-    # The root alone (adaptive depth 0) runs plain decoding's metadata (root_only_metadata): no tree mask.
-    prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound) if num_nodes > 1 else None
+    prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound)
     return VerifyPlan(seq_lens, page_slots(page_rows, node_pos, page_size), node_pos,
                       page_slots(page_rows, kv_pos, page_size), prefix)
 
@@ -49,25 +48,6 @@ def verify_metadata(plan: VerifyPlan, ancestors: torch.Tensor) -> TorchAttention
     kv_lens = (plan.seq_lens + n).clamp(max=plan.kv_slots.shape[1]).to(torch.int32)
     return TorchAttentionMetadata(plan.node_slots.reshape(-1), query_index, None, plan.kv_slots, mask[:, None],
                                   kv_lens=kv_lens)
-
-
-def root_only_metadata(plan: VerifyPlan, derives_causal_mask: bool) -> TorchAttentionMetadata:
-    """A verify of the root alone (adaptive depth 0) is a plain decode step: the same metadata as
-    runtime/decode_plan.py builds (each row sees positions [0, seq_len]; backends that derive the
-    causal rule get no mask), so the step runs plain decoding's attention kernel."""
-    b, width = plan.kv_slots.shape
-    kv_pos = torch.arange(width, device=plan.kv_slots.device)
-    mask = None if derives_causal_mask else (kv_pos[None, :] <= plan.seq_lens[:, None])[:, None, None, :]
-    return TorchAttentionMetadata(
-        slot_mapping=plan.node_slots[:, 0].contiguous(),
-        query_index=torch.arange(b, device=kv_pos.device)[:, None],
-        query_valid=None,
-        kv_slots=plan.kv_slots,
-        mask=mask,
-        q_lens=torch.ones(b, dtype=torch.int32, device=kv_pos.device),
-        kv_lens=(plan.seq_lens + 1).to(torch.int32),
-        causal=derives_causal_mask,
-    )
 
 
 def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_size: int) -> TorchAttentionMetadata:
