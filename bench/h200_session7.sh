@@ -22,7 +22,8 @@ if [ "${PASS:-a}" = a ]; then
     grep -A14 "^demo:" "$OUT/sampling_demo.log"; echo "sampling (demo): $(( $(date +%s) - t )) s"
     t=$(date +%s)
     timeout -k 5 ${SWEEP_S:-330} python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
-        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats ${SWEEP_REPEATS:-3} --out "$OUT/sweep-llama-3.1-8b-h200.json" \
+        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats ${SWEEP_REPEATS:-3} \
+        --out "$OUT/sweep-llama-3.1-8b-h200.json" \
         --no-progress > "$OUT/sweep.log" 2>&1
     tail -30 "$OUT/sweep.log"; echo "sweep: $(( $(date +%s) - t )) s"
 else

@@ -263,8 +263,8 @@ def test_running_requests_drop_their_draft_state_once_drafting_cannot_pay(spec_m
     from tandem.speculative.worker import DEMOTE_EVERY
 
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
-    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-                **CHAIN, **ENGINE) as e:
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         spec = e.runner.spec
         for bs in range(1, 17):
             for shape in spec.policy.options:

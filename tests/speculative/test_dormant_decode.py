@@ -1,5 +1,5 @@
 """Batches of dormant requests (admitted without draft state, policy.admit) run plain decoding's step on the
-speculative pool (SpecWorker.root_decode). Against plain decoding itself: greedy tokens equal, seeded
+speculative pool (speculative/root_step.py). Against plain decoding itself: greedy tokens equal, seeded
 sampled tokens equal (penalties and logprobs included), eager and through the emulated CUDA graphs, overlap
 on and off, under the stream-order checker; and a batch that mixes dormant rows with drafting ones, whose
 drafting rows finish first, moves to the dormant step once only dormant rows are left."""
@@ -34,8 +34,8 @@ class DormantEvery(ScriptedChoice):
 
 
 def engine(spec_models, shape=CHAIN, every=10**9, **extra):
-    e = Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-               **shape, **{**ENGINE, **extra})
+    e = Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=spec_models["EAGLE3"], **shape, **{**ENGINE, **extra})
     e.runner.spec.policy = DormantEvery(e.runner.spec.policy, every)
     return e
 

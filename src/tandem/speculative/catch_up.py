@@ -1,7 +1,7 @@
 """Steps that draft nothing, and the draft catching up afterwards.
 
 When the adaptive policy (speculative/policy.py) picks depth 0, the step is plain decoding's
-(SpecWorker.root_decode). Running the draft extend over its one new token would keep the draft in step, but
+(speculative/root_step.py). Running the draft extend over its one new token would keep the draft in step, but
 costs a draft forward every step (measured on an H200, Llama-3.1-8B shape: 0.64 ms on a 4.8 ms step),
 which is exactly the case where the draft is not worth running. So a depth-0 step *defers* the extend:
 it appends the verified token and the target feature the extend would have paired it with to the

@@ -187,3 +187,10 @@ class Drafter:
         pool.draft_hidden[slots] = torch.where(lagging[:, None], last, pool.draft_hidden[slots])
         pool.draft_entries[slots] = first_pos + lag
         pool.lag.index_fill_(0, slots, 0)  # (no host scalar: this runs inside CUDA graphs)
+
+
+def target_feature(draft_model, hidden, aux):
+    """The target feature a draft pairs with each token (None for a standalone draft): the final hidden
+    state (EAGLE), or the auxiliary layers' states side by side (EAGLE-3)."""
+    kind = draft_model.target_hidden
+    return None if kind is None else (torch.cat(aux, dim=-1) if kind == "aux" else hidden)

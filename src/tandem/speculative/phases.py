@@ -52,7 +52,7 @@ class SpecPhases:
         b, n = tokens.shape
         vplan = plan.VerifyPlan(seq_lens, node_slots, node_cols, kv_slots, prefix_mask)
         chain = self.chain if chain is None else chain
-        # (Depth 0 never gets here: it is plain decoding's step, SpecWorker.root_decode.)
+        # (Depth 0 never gets here: it is plain decoding's step, speculative/root_step.py.)
         ancestors = chain_ancestor_mask(b, n, tokens.device) if chain else ancestor_mask(parents)
         metadata = plan.verify_metadata(vplan, ancestors)
         positions = (seq_lens[:, None] + depths).reshape(-1)
@@ -101,8 +101,8 @@ class SpecPhases:
         return graph is not None and graph.fits(batch_size)
 
     def dormant(self, features: SamplingFeatures, slots, page_rows):
-        """SpecWorker.root_decode (without deferred extends) replayed: (out_tokens [B, 1],) and with logprobs (GENERAL) the
-        chosen token's [B, 1] and the top values and ids [B, 1, 20]."""
+        """The root step (speculative/root_step.py, without deferred extends) replayed: (out_tokens [B, 1],)
+        and with logprobs (GENERAL) the chosen token's [B, 1] and the top values and ids [B, 1, 20]."""
         return self.graphs[_dormant_key(features)](slots, page_rows)
 
     def split_graphed(self, batch_size: int, features: SamplingFeatures, shape: DraftShape) -> bool:
@@ -236,7 +236,7 @@ class SpecPhases:
                 self._build_split_graphs(worker, shape, kv_width, num_pages, vocab)
         for features in (GRAPHED_SAMPLING + GRAPHED_GENERAL) if dormancy else ():
             def dormant(slots, page_rows, features=features):
-                return worker.root_decode(slots, page_rows, kv_width, features, defer=False)
+                return worker.root_step(slots, page_rows, kv_width, features, defer=False)
 
             self.graphs[_dormant_key(features)] = GraphedFunction(
                 f"dormant decode ({features.name})", dormant,

@@ -23,7 +23,7 @@ plan stream has nothing left to overlap (measured: with graphs it neither helped
 docs/performance.md). A constrained step that drafts replays two graphs with the host's tree masks
 between; constrained steps with penalties, logprobs or top-k keep the choreography above, with the
 three phases graphed separately. A depth-0 step (adaptive speculation) is plain decoding's step on the
-pool with the draft extend deferred (`root_decode`); a step that drafts after depth-0 steps first runs
+pool with the draft extend deferred (speculative/root_step.py); a step that drafts after depth-0 steps first runs
 the draft over their deferred tokens (speculative/catch_up.py); and a batch of dormant rows, which keep
 no draft state, runs plain decoding's step alone (`_launch_dormant`).
 """
@@ -39,16 +39,16 @@ from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.layers.sampler import SamplingFeatures, choose_tokens, graph_features, token_logprobs
 from tandem.models.llama import StepContext
 from tandem.runtime import prompt_logprobs
-from tandem.runtime.decode_plan import decode_metadata
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
 from tandem.runtime.uploads import to_device
 from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.speculative import catch_up, plan
-from tandem.speculative.drafter import Drafter, PrefillFeed
+from tandem.speculative.drafter import Drafter, PrefillFeed, target_feature
 from tandem.speculative.phases import SpecPhases
 from tandem.speculative.policy import DepthPolicy, DraftShape
+from tandem.speculative.root_step import RootStep
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import AcceptResult, accept_target_tokens
 from tandem.structured.matchers import allowed_on_device
@@ -126,6 +126,7 @@ class SpecWorker:
         self.runner = runner  # target model, KV cache, attention backend
         self.drafter = drafter
         self.phases = SpecPhases(runner, drafter, num_draft_tokens)  # eager, or CUDA graphs once captured
+        self.root_step = RootStep(runner, drafter.pool, sampling, drafter.model)  # depth 0: plain decoding's step
         self.pool = drafter.pool
         self.sampling = sampling  # rows indexed by self.pool's slots
         self.num_draft_tokens = num_draft_tokens
@@ -470,7 +471,7 @@ class SpecWorker:
     def _launch_dormant(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs,
                         kv_bound: int) -> None:
         """A step whose rows are all dormant (policy.admit): none has draft state to keep, so it is plain
-        decoding's step on the pool's device state (`root_decode` without the deferred extends), on a GPU
+        decoding's step on the pool's device state (`RootStep` without the deferred extends), on a GPU
         the dormant-decode graph. Grammar-constrained batches keep the depth-0 iteration."""
         s = self.streams
         self.stats.dormant_steps += 1
@@ -482,13 +483,13 @@ class SpecWorker:
         if self.phases.dormant_graphed(b, graphed):
             out_tokens, *logprobs = self.phases.dormant(graphed, slots, page_rows)
         else:
-            out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, defer=False)
+            out_tokens, *logprobs = self.root_step(slots, page_rows, kv_bound, features, defer=False)
         self._root_outputs(handle, outputs, out_tokens, logprobs)
 
     def _launch_root_eager(self, b: int, features: SamplingFeatures, handle: SpecStepHandle, outputs, kv_bound: int,
                            catch_up_window: int, catch_up_rows: list[int] | None) -> None:
-        """An eager depth-0 step: the catch-up when one is due, then `root_decode`. Everything on the main
-        stream: there is no verify plan for the plan stream to prepare."""
+        """An eager depth-0 step: the catch-up when one is due, then the root step (speculative/root_step.py).
+        Everything on the main stream: there is no verify plan for the plan stream to prepare."""
         s, runner = self.streams, self.runner
         slots, page_rows = self._upload_on_main(b, handle)
         if catch_up_window:
@@ -499,7 +500,7 @@ class SpecWorker:
         allowed = self.runner.grammar_masks(handle.verify_ids) if features.constrained else None
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
-        out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, allowed)
+        out_tokens, *logprobs = self.root_step(slots, page_rows, kv_bound, features, allowed)
         self._root_outputs(handle, outputs, out_tokens, logprobs)
 
     def _upload_on_main(self, b: int, handle: SpecStepHandle):
@@ -517,38 +518,6 @@ class SpecWorker:
         outputs["out_tokens"] = out_tokens
         if logprobs:
             outputs["verify_logprob"], outputs["verify_top_v"], outputs["verify_top_i"] = logprobs
-
-    def root_decode(self, slots, page_rows, kv_bound: int, features: SamplingFeatures, allowed=None,
-                    defer: bool = True):
-        """A depth-0 step: plain decoding's step on the pool's device state (the body of the depth-0 and
-        dormant-decode graphs). The root (the last verified token, at position seq_len) goes through the
-        target; its token is sampled with the noise of its position, as verifying the root alone would
-        (so the same seeded tokens); the pool moves on by one; and with `defer` the draft extend over the
-        new token is deferred (speculative/catch_up.py; dormant rows keep no draft state to defer for).
-        allowed: [B, V] bool, the root's grammar masks, or None. Returns (out_tokens [B, 1],) and with
-        features.logprobs the chosen token's logprob [B, 1] and the top values and ids [B, 1, n]. (The
-        root verified as a one-node tree cost ten kernels more, 1.4% of an 8B-shape step on an H200.)"""
-        pool, runner = self.pool, self.runner
-        pool.seq_lens[pool.pad_slot:pool.pad_slot + 1].zero_()  # (padded graph rows: keep their positions small)
-        positions = pool.seq_lens[slots]
-        metadata = decode_metadata(page_rows, positions, kv_bound, runner.page_size, runner.backend.derives_causal_mask)
-        ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
-        aux_layers = self.drafter.model.aux_layer_ids if defer else ()
-        hidden, aux = runner.model(pool.verified_id[slots], positions, ctx, aux_layer_ids=aux_layers)
-        logits = runner.model.compute_logits(hidden)
-        meta = self.sampling.metadata(slots, positions + 1, features.penalties)
-        meta.allowed = allowed
-        tokens = runner.tp.broadcast_(choose_tokens(logits, meta, features).contiguous())  # (_same_on_every_rank)
-        pool.verified_id[slots] = tokens
-        pool.seq_lens[slots] = positions + 1
-        if features.penalties:
-            self.sampling.add_outputs(slots, tokens[:, None])
-        if defer:
-            catch_up.defer_extend(pool, slots, tokens, self._feature(hidden, aux))
-        if features.logprobs is None:
-            return (tokens[:, None],)
-        chosen, top_v, top_i = token_logprobs(logits, tokens, features.logprobs)
-        return tokens[:, None], chosen[:, None], top_v[:, None], top_i[:, None]
 
     def _upload_staging(self, b: int):
         """The step's pool rows [B] and page rows [B, P] on the device, in one copy (views of one upload)."""
@@ -614,9 +583,9 @@ class SpecWorker:
                          shape: DraftShape, allowed=None):
         """One speculative iteration from device state alone (the body of the whole-iteration graph):
         draft tree, verify, accept and commit, draft extend. The eager path (`_launch_verify`) runs the
-        same phases with the plan stream preparing metadata beside the draft. Depth 0 is `root_decode`."""
+        same phases with the plan stream preparing metadata beside the draft. Depth 0 is the root step."""
         if not shape.drafts:
-            out_tokens, *logprobs = self.root_decode(slots, page_rows, kv_bound, features, allowed)
+            out_tokens, *logprobs = self.root_step(slots, page_rows, kv_bound, features, allowed)
             return (torch.ones_like(out_tokens[:, 0]), out_tokens, *logprobs)  # (accept lengths: the root alone)
         tree = self.draft_for_iteration(slots, page_rows, kv_bound, shape)
         return self.verify_and_commit(slots, page_rows, tree, coins, use_coins, kv_bound, features, shape, allowed)
@@ -657,8 +626,7 @@ class SpecWorker:
         return results
 
     def _feature(self, hidden, aux):
-        kind = self.drafter.model.target_hidden
-        return None if kind is None else (torch.cat(aux, dim=-1) if kind == "aux" else hidden)
+        return target_feature(self.drafter.model, hidden, aux)
 
     def _same_on_every_rank(self, accept: AcceptResult) -> AcceptResult:
         """Tensor parallelism: every rank takes rank 0's decisions. Each rank has the same
