@@ -23,9 +23,9 @@ plan stream has nothing left to overlap (measured: with graphs it neither helped
 docs/performance.md). A constrained step that drafts replays two graphs with the host's tree masks
 between; constrained steps with penalties, logprobs or top-k keep the choreography above, with the
 three phases graphed separately. A depth-0 step (adaptive speculation) is plain decoding's step on the
-pool with the draft extend deferred (speculative/root_step.py); a step that drafts after depth-0 steps first runs
-the draft over their deferred tokens (speculative/catch_up.py); and a batch of dormant rows, which keep
-no draft state, runs plain decoding's step alone (`_launch_dormant`).
+pool with the draft extend deferred (speculative/root_step.py); a step that drafts after depth-0 steps
+first runs the draft over their deferred tokens (speculative/catch_up.py); and a batch of dormant rows,
+which keep no draft state, runs plain decoding's step alone (`_launch_dormant`).
 """
 
 from __future__ import annotations
@@ -211,8 +211,7 @@ class SpecWorker:
             for rid in demoted:
                 self.lag.pop(rid, None)  # (its deferred extends are dropped with its draft state)
             self.stats.dormant_demoted += len(demoted)
-        dormant = self.policy.dormant
-        if dormant and all(c.request_id in dormant for c in verify):
+        if self._all_dormant([c.request_id for c in verify]):
             # No row has draft state: drafts would accept nothing and teach nothing. (Asking the policy
             # cost 63-66 us a step on an H200's host, a quarter of the demo pair's plain decode step.)
             return self.policy.options[0]
@@ -314,10 +313,7 @@ class SpecWorker:
         s.wait("main", table_ready)
         s.read(f"page_rows[{it}]", "main")
         if needs_catch_up:
-            started = time.perf_counter()
-            self.phases.catch_up(*self._catch_up_rows(slots, page_rows, catch_up_rows), kv_bound, catch_up_window)
-            if runner.device.type != "cuda":
-                handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
+            self._eager_catch_up(handle, slots, page_rows, catch_up_rows, kv_bound, catch_up_window)
         s.write(f"draft_tree[{it}]", "main")
         tree = self.phases.draft_tree(slots, page_rows, kv_bound, shape)
         allowed = self._tree_grammar_masks(handle, tree) if features.constrained else None
@@ -490,18 +486,24 @@ class SpecWorker:
                            catch_up_window: int, catch_up_rows: list[int] | None) -> None:
         """An eager depth-0 step: the catch-up when one is due, then the root step (speculative/root_step.py).
         Everything on the main stream: there is no verify plan for the plan stream to prepare."""
-        s, runner = self.streams, self.runner
+        s = self.streams
         slots, page_rows = self._upload_on_main(b, handle)
         if catch_up_window:
-            started = time.perf_counter()
-            self.phases.catch_up(*self._catch_up_rows(slots, page_rows, catch_up_rows), kv_bound, catch_up_window)
-            if runner.device.type != "cuda":
-                handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
+            self._eager_catch_up(handle, slots, page_rows, catch_up_rows, kv_bound, catch_up_window)
         allowed = self.runner.grammar_masks(handle.verify_ids) if features.constrained else None
         s.read("seq_lens", "main")
         s.write("seq_lens", "main")
         out_tokens, *logprobs = self.root_step(slots, page_rows, kv_bound, features, allowed)
         self._root_outputs(handle, outputs, out_tokens, logprobs)
+
+    def _eager_catch_up(self, handle: SpecStepHandle, slots, page_rows, rows: list[int] | None, kv_bound: int,
+                        window: int) -> None:
+        """The draft over the deferred tokens, before an eager step; on a CPU, where launching runs it, timed
+        here (on a GPU its time comes from start-up timing of its graph)."""
+        started = time.perf_counter()
+        self.phases.catch_up(*self._catch_up_rows(slots, page_rows, rows), kv_bound, window)
+        if self.runner.device.type != "cuda":
+            handle.catch_up_ms = 1e3 * (time.perf_counter() - started)
 
     def _upload_on_main(self, b: int, handle: SpecStepHandle):
         """The staged pool rows and page rows, uploaded on the main stream (steps without a plan to prepare)."""
@@ -530,12 +532,9 @@ class SpecWorker:
         """Everything on the main stream: the graph builds its own metadata from the page rows and the
         pool's device state, so there is nothing for the plan stream to prepare in parallel. A constrained
         step that drafts replays two graphs, the draft and the rest, with the host's tree masks between."""
-        s, pool, device = self.streams, self.pool, self.runner.device
+        s, device = self.streams, self.runner.device
         it = handle.iteration
-        s.read("page_table_staging", "main")
-        s.write(f"page_rows[{it}]", "main")
-        slots, page_rows = self._upload_staging(b)
-        handle.staging_released = s.record("main", "staging_released")
+        slots, page_rows = self._upload_on_main(b, handle)
         synthetic = getattr(self, "bench_synthetic_acceptance", None)  # BENCHMARK ONLY (see _synthetic_coins)
         coin_shape = (b, self.phases.num_nodes(shape))
         no_coins = self._no_coins(coin_shape, device)
