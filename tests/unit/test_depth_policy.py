@@ -512,3 +512,55 @@ def test_one_slow_step_moves_a_cost_no_more_than_a_quarter_of_its_weight():
     for _ in range(60):
         p.observe_time(1, DraftShape(0), 0.40)
     assert p.cost_ms[(1, DraftShape(0))] > 0.39
+
+
+def test_dormancy_takes_the_estimate_as_it_is_once_settled():
+    """Costs where a chain of one costs 1.6x depth 0 (it pays at a_1 > 0.6); position 1 is accepted half
+    the time, nothing deeper. With 24 observations the upper end of a_1's interval (about 0.66, worked out
+    by `wilson_upper`) still lets drafting pay: drafts are kept. From DORMANT_SETTLED_OBSERVATIONS (32)
+    the estimate (about 0.5: 1.5 / 1.6 = 0.94 tokens per ms against depth 0's 1.0) decides: dormant."""
+    from tandem.speculative.policy import DORMANT_SETTLED_OBSERVATIONS
+
+    costs = {8: [1.0, 1.6, 2.0, 2.4]}
+    early = policy_with_costs(costs, probe_every=10**9)
+    teach(early, [0.5, 0.0, 0.0], steps=24)
+    a1 = early.acceptance[0]
+    assert 0.4 < a1 < 0.6 and wilson_upper(a1, 24) > 0.6
+    assert not early.admit("r", 8) and early.demote(["a"], 8) == []
+    settled = policy_with_costs(costs, probe_every=10**9)
+    teach(settled, [0.5, 0.0, 0.0], steps=DORMANT_SETTLED_OBSERVATIONS)
+    a1 = settled.acceptance[0]
+    assert 0.4 < a1 < 0.6 and wilson_upper(a1, DORMANT_SETTLED_OBSERVATIONS) > 0.6
+    assert settled.admit("r", 8) and settled.demote(["a"], 8) == ["a"]
+
+
+def test_dormancy_takes_the_estimate_once_the_batch_has_stayed_at_depth_0():
+    """The same costs and acceptance with 24 observations (unsettled by count: drafts kept), but a batch
+    of 8 chooses depth 0 (1.5 / 1.6 per ms < 1.0) step after step: after DORMANT_SETTLED_STEPS such steps
+    the estimate decides there (dormant), not at batch 16 (no steps chosen there yet)."""
+    p = policy_with_costs({8: [1.0, 1.6, 2.0, 2.4], 16: [1.0, 1.6, 2.0, 2.4]}, probe_every=10**9)
+    teach(p, [0.5, 0.0, 0.0], steps=24)
+    rows = [f"r{i}" for i in range(8)]
+    for step in range(64):  # DORMANT_SETTLED_STEPS
+        assert not p.admit(f"early{step}", 8)
+        assert p.choose(rows, 8) == DraftShape(0)
+    assert p.admit("late", 8)
+    assert not p.admit("elsewhere", 16)
+
+
+def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
+    """Admission weighs the draft's prefill. Costs: depth 0 1.0 ms, a chain of one 1.2 ms; acceptance 0.3
+    measured over many steps: a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms, 8% over depth 0.
+    Prefill timed at 0.01 ms per token: a batch of 8 whose 64-token prompts are paid back over 64 tokens
+    owes 8 * 64 * 0.01 / 64 = 0.08 ms a step, so drafting must beat 1 / 0.92 = 1.087 per ms: it does not
+    (dormant). Paid back over 256 tokens it owes 0.02 ms (1 / 0.98 = 1.020): drafts kept."""
+    p = policy_with_costs({8: [1.0, 1.2, 1.6, 2.0]}, probe_every=10**9)
+    set_acceptance(p, [0.3, 0.0, 0.0])
+    assert p.prefill_share_ms(8, 64, 64) == 0.0  # nothing timed yet
+    p.observe_draft_prefill(640, 9.0)  # the first (a warm-up) is replaced by the second
+    p.observe_draft_prefill(640, 6.4)
+    assert p.draft_prefill_ms_per_token == pytest.approx(0.01)
+    assert p.prefill_share_ms(8, 64, 64) == pytest.approx(0.08)
+    assert not p.admit("long", 8, prompt_tokens=64, max_new_tokens=256)
+    assert p.admit("short", 8, prompt_tokens=64, max_new_tokens=64)
+    assert not p.admit("no prompt", 8)

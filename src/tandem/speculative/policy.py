@@ -70,6 +70,18 @@ DORMANT_MIN_OBSERVATIONS = 8
 # a probe costs 14 ms, that no request ever went dormant, and on an H200 the demo pair at temperature 1
 # (a_1 about 0.3) paid the draft's upkeep for its first 32 observations of every batch size.
 DORMANT_CONFIDENCE_Z = 1.64
+# From this many observations of position 1 the estimate is taken as it is (no confidence bound): a batch
+# whose best drafting option then loses to a dormant row's step pays the draft's upkeep for nothing. On a
+# CPU, where a chain of one costs 1.5x depth 0 at batch 4, the demo pair accepts a_1 = 0.45-0.55, just
+# under break-even, while the upper end of its interval stays above it for hundreds of observations: the
+# engine sat at depth 0 keeping every draft (its prefill, a catch-up every 32 steps: 5-8% of a run) and
+# ran 0.92-0.95x plain decoding.
+DORMANT_SETTLED_OBSERVATIONS = 32
+# The estimate is taken as it is at a batch size whose choice has been depth 0 for this many steps in a row
+# too (probes aside): the policy itself judged drafting not worth it there for that long, and at depth 0
+# no observations come to narrow the interval (on a CPU at batch 1, with a probe every 277 steps, rows
+# kept their drafts for four 64-token runs in a row).
+DORMANT_SETTLED_STEPS = 64
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
 # A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
@@ -181,6 +193,7 @@ class DepthPolicy:
         self.catch_up_per_step_ms: dict = {}
         self._steps_since_probe: dict[int, int] = {}
         self._steps: dict = {}  # table -> steps chosen at it
+        self._undrafted_steps: dict = {}  # table -> steps in a row whose choice (probes aside) was depth 0
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
         self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
@@ -188,6 +201,8 @@ class DepthPolicy:
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
         self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
+        self.draft_prefill_ms_per_token: float | None = None  # the draft's prefill, per prompt token
+        self._draft_prefills = 0  # observations behind it
         self._admitted = 0
 
     def reset_acceptance(self) -> None:
@@ -324,10 +339,12 @@ class DepthPolicy:
         return row
 
     # ---- dormant admission -------------------------------------------------------------------------------
-    def admit(self, request_id: str, padded_batch: int) -> bool:
+    def admit(self, request_id: str, padded_batch: int, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
-        does not pay (`_drafting_cannot_pay`); every SENTINEL_EVERY-th request keeps its draft all the same."""
+        does not pay (`_drafting_cannot_pay`) once the draft's prefill of `prompt_tokens` is paid for out
+        of what drafting saves over `max_new_tokens` (`prefill_share_ms`); every SENTINEL_EVERY-th request
+        keeps its draft all the same."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
         if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
@@ -336,7 +353,8 @@ class DepthPolicy:
         if self._admitted % SENTINEL_EVERY == 0:
             self.sentinels.add(request_id)
             return False
-        if not self._drafting_cannot_pay(padded_batch):
+        upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
+        if not self._drafting_cannot_pay(padded_batch, upkeep):
             return False
         self.dormant.add(request_id)
         return True
@@ -356,21 +374,45 @@ class DepthPolicy:
         self.dormant.update(keeping)
         return keeping
 
-    def _drafting_cannot_pay(self, padded_batch: int) -> bool:
+    def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
+        """What the draft's prefill of new requests costs per step of their batch: each of its
+        `padded_batch` rows prefills about `prompt_tokens` (measured ms per token, `observe_draft_prefill`),
+        paid back over `max_new_tokens` steps at most (an upper bound on their length: the share is a
+        lower bound). 0 before any prefill was timed."""
+        if not prompt_tokens or max_new_tokens <= 0 or self.draft_prefill_ms_per_token is None:
+            return 0.0
+        return padded_batch * prompt_tokens * self.draft_prefill_ms_per_token / max_new_tokens
+
+    def observe_draft_prefill(self, tokens: int, ms: float) -> None:
+        """One step's draft prefill: `ms` for `tokens` prompt tokens. The second observation replaces the
+        first (often a warm-up: first-call allocation, kernel selection), then a moving average."""
+        if tokens <= 0:
+            return
+        new, old = ms / tokens, self.draft_prefill_ms_per_token
+        self._draft_prefills += 1
+        self.draft_prefill_ms_per_token = new if self._draft_prefills <= 2 else old + 0.2 * (new - old)
+
+    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
-        were as high as its observations allow (`optimistic_acceptance`). A dormant row's step costs what
-        a batch of dormant rows costs (plain decoding's step), depth 0's until such steps were timed."""
+        were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
+        observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
+        DORMANT_SETTLED_STEPS steps, at the rates as estimated. A dormant row's step costs
+        what a batch of dormant rows costs (plain decoding's step), depth 0's until such steps were timed.
+        `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
+        must then save that much of a dormant step's time to pay."""
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
         rates = self.effective_acceptance()
-        expected = expected_by_depth(self.optimistic_acceptance())
+        settled = (self._seen[0] >= DORMANT_SETTLED_OBSERVATIONS
+                   or self._undrafted_steps.get(padded_batch, 0) >= DORMANT_SETTLED_STEPS)
+        expected = expected_by_depth(rates if settled else self.optimistic_acceptance())
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = self.tree_tokens * expected[-1] / expected_by_depth(rates)[-1]
         dormant_step = self.dormant_cost_ms.get(padded_batch, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
-        return best_drafting < 1.0 / dormant_step
+        return best_drafting < 1.0 / max(dormant_step - upkeep_ms, 1e-6)
 
     def observe_dormant_time(self, padded_batch: int, ms: float, weight: float | None = None) -> None:
         """A step of dormant rows alone (plain decoding's step): its time, kept as the options' are (start-up
@@ -497,6 +539,7 @@ class DepthPolicy:
             self._last_choice[key] = best
         if prefill_rows:
             return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
+        self._undrafted_steps[padded_batch] = 0 if best.drafts else self._undrafted_steps.get(padded_batch, 0) + 1
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
         wait = catch_up_forced and not best.drafts  # (see above)
         if best != self.deepest and ((steps >= self._probe_interval(padded_batch, best, self.deepest) and not wait)

@@ -115,6 +115,8 @@ class SpecStepHandle:
     dormant: bool = False  # its rows were all dormant: plain decoding's step, no option of the policy's
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
+    draft_prefill_tokens: int = 0  # prompt tokens the draft prefilled in this step (the policy's upkeep cost)
+    draft_prefill_timer: object | None = None  # DraftPrefillTimer around that prefill
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
     result: object | None = None  # its StepResult once collected (runtime/model_runner.py)
     keep_alive: list = field(default_factory=list)
@@ -674,7 +676,8 @@ class SpecWorker:
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
-                if self.policy is not None and self.policy.admit(c.request_id, joins):
+                if self.policy is not None and self.policy.admit(c.request_id, joins, c.num_prompt_tokens,
+                                                                  c.sampling_params.max_new_tokens):
                     self.stats.dormant_admitted += 1  # dormant: no draft prefill, no catch-ups
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
@@ -730,7 +733,11 @@ class SpecWorker:
             if c.sample:
                 sampled_row[len(feeds)] = sampled_index[c.request_id]
             feeds.append(feed)
+        handle.draft_prefill_tokens = sum(len(f.token_ids) for f in feeds)
+        timer = DraftPrefillTimer(runner.device) if handle.draft_prefill_tokens and self.policy is not None else None
         self.drafter.prefill(feeds, sampled, sampled_row)
+        if timer is not None:
+            handle.draft_prefill_timer = timer.stop()
 
     def _target_prefill(self, chunks):
         runner, ps = self.runner, self.runner.page_size
@@ -800,6 +807,7 @@ class SpecWorker:
                 collect_logprobs(handle.logprobs_wanted, handle.prefill_ids, [[t] for t in tokens], [1] * len(tokens),
                                  host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
                                  host["prefill_top_i"][:, None], result)
+        self._observe_draft_prefill(handle)
         if handle.verify_ids:
             lens = host["accept_lens"].tolist() if "accept_lens" in host else [1] * len(handle.verify_ids)
             outs = host["out_tokens"].tolist()
@@ -815,6 +823,13 @@ class SpecWorker:
                 collect_logprobs(handle.logprobs_wanted, handle.verify_ids, outs, lens, host["verify_logprob"],
                                  host["verify_top_v"], host["verify_top_i"], result)
         handle.keep_alive.clear()
+
+    def _observe_draft_prefill(self, handle: SpecStepHandle) -> None:
+        """The draft's prefill time in this step, per prompt token: what keeping a new request's draft costs
+        up front (`DepthPolicy.admit` weighs it against what drafting gains)."""
+        ms = handle.draft_prefill_timer.elapsed_ms() if handle.draft_prefill_timer is not None else None
+        if ms is not None:
+            self.policy.observe_draft_prefill(handle.draft_prefill_tokens, ms)
 
     def _inform_policy(self, handle: SpecStepHandle, lens: list[int], step_ms: float) -> None:
         """Accept lengths and this step's time (less a catch-up's, which earlier steps deferred), for steps
@@ -857,6 +872,33 @@ class StepClock:
         now = time.perf_counter() if now is None else now
         started, self.last = max(launched_at, self.last), now
         return 1e3 * (now - started)
+
+
+class DraftPrefillTimer:
+    """The time of the draft's prefill in one step: CUDA events on the stream it runs on (read once the
+    step's results are in, which come after it on that stream), or the host clock on a CPU, where the
+    call runs the work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.started, self.ms = time.perf_counter(), None
+
+    def stop(self) -> "DraftPrefillTimer":
+        if self.cuda:
+            self.end.record()
+        else:
+            self.ms = 1e3 * (time.perf_counter() - self.started)
+        return self
+
+    def elapsed_ms(self) -> float | None:
+        """ms, or None where the device has not finished it."""
+        if not self.cuda:
+            return self.ms
+        return self.start.elapsed_time(self.end) if self.end.query() else None
 
 
 def _replay_ms(graph, replays: int) -> float:
