@@ -29,7 +29,8 @@ Dormant requests: keeping a draft's state costs even while nothing is drafted (i
 catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
 32, 64 and 128, 8B shape, H200). So once the engine is sure enough that drafting does not pay at the batch
 a new request joins (the running one plus the queued requests with room: even with a_1 at the upper end of
-its 95% interval, `optimistic_acceptance`), it is admitted *dormant* (`admit`): no draft prefill, no
+its 95% interval, `optimistic_acceptance`, or at the rates as estimated once settled, and with its draft
+prefill to pay back, `prefill_share_ms`), it is admitted *dormant* (`admit`): no draft prefill, no
 catch-ups; running requests drop their draft state once the same holds for their batch (`demote`). A
 batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
 step that drafts for others a dormant row counts as a row that accepts nothing (its drafts come from no
