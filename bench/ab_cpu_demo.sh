@@ -1,7 +1,7 @@
 #!/bin/bash
 # The demo pair's CPU benchmark for two revisions, taking turns (old, new, old, new, ...), so that a slow
 # stretch of the machine lands on both alike: on a 2-core CPU plain decoding's own 7-run medians moved
-# 75-101 tokens/s at batch 1 within half an hour.
+# 75-101 tokens/s at batch 1 over three rounds (six minutes).
 #   bench/ab_cpu_demo.sh OLD_REV OUT_DIR [ROUNDS]
 # writes OUT_DIR/old-N.json and OUT_DIR/new-N.json (new: the working tree).
 set -euo pipefail
