@@ -407,9 +407,10 @@ class DepthPolicy:
         rates = self.effective_acceptance()
         settled = (self._seen[0] >= DORMANT_SETTLED_OBSERVATIONS
                    or self._undrafted_steps.get(padded_batch, 0) >= DORMANT_SETTLED_STEPS)
-        expected = expected_by_depth(rates if settled else self.optimistic_acceptance())
+        as_estimated = expected_by_depth(rates)
+        expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance())
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
-        tree_tokens = self.tree_tokens * expected[-1] / expected_by_depth(rates)[-1]
+        tree_tokens = self.tree_tokens * expected[-1] / as_estimated[-1]
         dormant_step = self.dormant_cost_ms.get(padded_batch, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)

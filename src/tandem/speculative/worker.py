@@ -115,8 +115,7 @@ class SpecStepHandle:
     dormant: bool = False  # its rows were all dormant: plain decoding's step, no option of the policy's
     launched_at: float = 0.0  # host clock at launch (the policy's step timing)
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
-    draft_prefill_tokens: int = 0  # prompt tokens the draft prefilled in this step (the policy's upkeep cost)
-    draft_prefill_timer: object | None = None  # DraftPrefillTimer around that prefill
+    draft_prefill: object | None = None  # DraftPrefillTimer of the draft's prefill in this step (an upkeep cost)
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
     result: object | None = None  # its StepResult once collected (runtime/model_runner.py)
     keep_alive: list = field(default_factory=list)
@@ -733,11 +732,11 @@ class SpecWorker:
             if c.sample:
                 sampled_row[len(feeds)] = sampled_index[c.request_id]
             feeds.append(feed)
-        handle.draft_prefill_tokens = sum(len(f.token_ids) for f in feeds)
-        timer = DraftPrefillTimer(runner.device) if handle.draft_prefill_tokens and self.policy is not None else None
+        tokens = sum(len(f.token_ids) for f in feeds)
+        timer = DraftPrefillTimer(runner.device, tokens) if tokens and self.policy is not None else None
         self.drafter.prefill(feeds, sampled, sampled_row)
         if timer is not None:
-            handle.draft_prefill_timer = timer.stop()
+            handle.draft_prefill = timer.stop()
 
     def _target_prefill(self, chunks):
         runner, ps = self.runner, self.runner.page_size
@@ -827,9 +826,9 @@ class SpecWorker:
     def _observe_draft_prefill(self, handle: SpecStepHandle) -> None:
         """The draft's prefill time in this step, per prompt token: what keeping a new request's draft costs
         up front (`DepthPolicy.admit` weighs it against what drafting gains)."""
-        ms = handle.draft_prefill_timer.elapsed_ms() if handle.draft_prefill_timer is not None else None
+        ms = handle.draft_prefill.elapsed_ms() if handle.draft_prefill is not None else None
         if ms is not None:
-            self.policy.observe_draft_prefill(handle.draft_prefill_tokens, ms)
+            self.policy.observe_draft_prefill(handle.draft_prefill.tokens, ms)
 
     def _inform_policy(self, handle: SpecStepHandle, lens: list[int], step_ms: float) -> None:
         """Accept lengths and this step's time (less a catch-up's, which earlier steps deferred), for steps
@@ -875,11 +874,12 @@ class StepClock:
 
 
 class DraftPrefillTimer:
-    """The time of the draft's prefill in one step: CUDA events on the stream it runs on (read once the
-    step's results are in, which come after it on that stream), or the host clock on a CPU, where the
-    call runs the work."""
+    """The time of the draft's prefill of `tokens` prompt tokens in one step: CUDA events on the stream it
+    runs on (read once the step's results are in, which come after it on that stream), or the host clock
+    on a CPU, where the call runs the work."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tokens: int):
+        self.tokens = tokens
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
