@@ -564,3 +564,41 @@ def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
     assert not p.admit("long", 8, prompt_tokens=64, max_new_tokens=256)
     assert p.admit("short", 8, prompt_tokens=64, max_new_tokens=64)
     assert not p.admit("no prompt", 8)
+
+
+def test_a_repeated_depth_0_choice_is_the_one_choose_would_make():
+    """`repeat_depth0` skips choose's full pass for a batch that chose depth 0 (policy.REPEAT_DEPTH0_STEPS):
+    step for step it must answer what choose answers, probes and refreshes included. At a_1 = 0.2 depth 0
+    wins at batch 8 (8 / 1.0 against 9.6 / 1.22 = 7.87 tokens per ms for a chain of one), the chain of one
+    within the 5% of a refresh (every 128 steps), and the deepest is probed every 32 steps or, with
+    0.9 ms more a step and a 0.5% budget, every 180."""
+    costs = {8: [1.0, 1.22, 1.6, 1.9]}
+    full, repeated = policy_with_costs(costs), policy_with_costs(costs)
+    for p in (full, repeated):
+        set_acceptance(p, [0.2, 0.2, 0.2])
+    ids = tuple(f"r{i}" for i in range(8))
+    passes, chosen = 0, set()
+    for step in range(600):
+        want = full.choose(ids, 8)
+        chosen.add(want.name)
+        got = repeated.repeat_depth0(ids, 8)
+        if got is None:
+            passes += 1
+            got = repeated.choose(ids, 8)
+        assert got == want, f"step {step}"
+        if want.drafts:  # its results, the same for both: position 1 accepted by one row in five
+            lens = [2 if (step + i) % 5 == 0 else 1 for i in range(8)]
+            for p in (full, repeated):
+                p.observe_step(want, list(ids), lens)
+    assert chosen == {"chain0", "chain1", "chain3"}  # depth 0, its refreshes and the probes
+    assert full._steps[8] == repeated._steps[8] == 600
+    # Probes at 180-step intervals and refreshes every 128: about 8 full passes a 64 steps, not 64.
+    assert passes < 120
+    # Another batch (here: one request fewer) is decided afresh, and so is the same batch once observations
+    # came in (here: every draft accepted, so that drafting pays).
+    assert repeated.repeat_depth0(ids[:7], 8) is None
+    while repeated.choose(ids, 8).drafts:
+        pass
+    for _ in range(20):
+        repeated.observe_step(DraftShape(3), list(ids), [4] * 8)
+    assert repeated.repeat_depth0(ids, 8) is None and repeated.choose(ids, 8).drafts

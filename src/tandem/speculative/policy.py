@@ -94,6 +94,13 @@ DORMANT_SETTLED_STEPS = 64
 REFRESH_EVERY = 128
 REFRESH_MARGIN = 0.05
 REFRESH_WEIGHT = 0.5
+# After a depth-0 choice, the same batch (the same requests, no observation since) gets depth 0 again for
+# this many steps without the full pass (`repeat_depth0`), unless a probe or refresh falls due. The pass
+# took 139 us a step at batch 32 on an H200's host (a tenth of the demo pair's host-bound step), mostly for
+# a batch of dormant rows and its one sentinel, whose answer is depth 0 step after step. What the repeat
+# leaves out is costs drifting (a moving average, 5% a step) and the rows' remaining tokens falling (which
+# only makes drafting worth less).
+REPEAT_DEPTH0_STEPS = 8
 # An online step time counts at most OUTLIER_RATIO times its option's cost so far. Slow steps that are no
 # option's doing land on whichever option ran then: the last step of a batch waits about two steps (9.5 ms
 # against 4.75 in the H200's 8B-shape traces) and host stalls hit the demo pair's 0.25 ms steps (one of
@@ -197,6 +204,7 @@ class DepthPolicy:
         self._undrafted_steps: dict = {}  # table -> steps in a row whose choice (probes aside) was depth 0
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
+        self._repeatable: dict = {}  # table -> (request ids, steps left) of a depth-0 choice (`repeat_depth0`)
         self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
@@ -216,6 +224,7 @@ class DepthPolicy:
         self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
         self._tree_seen = 0
         self._learning_probe_at = -1  # observations of position 1 when the last learning probe ran
+        self._repeatable = {}
 
     def effective_acceptance(self) -> list[float]:
         """The engine's a_1..a_D as the choice uses them: a position never observed takes the rate of the
@@ -246,6 +255,7 @@ class DepthPolicy:
         rows = [(rid, k) for rid, k in zip(request_ids, accept_lens) if rid not in self.dormant]
         if not rows or not shape.drafts:
             return  # nothing drafted, nothing observed
+        self._repeatable.clear()
         if shape.tree:
             mean = sum(k for _, k in rows) / len(rows)
             self.tree_tokens += self._step_weight(self._tree_seen, len(rows)) * (mean - self.tree_tokens)
@@ -329,6 +339,7 @@ class DepthPolicy:
             self._requests.pop(rid, None)
             self.dormant.discard(rid)
             self.sentinels.discard(rid)
+            self._repeatable.clear()
 
     def cost_row(self, padded_batch: int) -> dict[str, float]:
         """The cost table at one padded batch size, by option name, and depth 0's catch-up share (ms; for
@@ -348,6 +359,7 @@ class DepthPolicy:
         keeps its draft all the same."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
+        self._repeatable.clear()
         if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
             return False
         self._admitted += 1
@@ -373,6 +385,7 @@ class DepthPolicy:
         if not keeping or not self._drafting_cannot_pay(padded_batch):
             return []
         self.dormant.update(keeping)
+        self._repeatable.clear()
         return keeping
 
     def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
@@ -556,10 +569,40 @@ class DepthPolicy:
             best, steps = self.deepest, 0
         elif not wait:
             best = self._refresh(padded_batch, best, rate)
-        self._steps_since_probe[padded_batch] = steps
-        count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
-        self._run_at[(padded_batch, best)] = count
+        self._count_step(padded_batch, best, steps)
+        if best.drafts:
+            self._repeatable.pop(padded_batch, None)
+        else:  # repeatable until the first option that `_refresh` could pick falls due
+            floor, count = rate(best) * (1 - REFRESH_MARGIN), self._steps[padded_batch]
+            stale_at = min((self._run_at.get((padded_batch, s), 0) + REFRESH_EVERY for s in self.options
+                            if s != best and rate(s) >= floor), default=count + REPEAT_DEPTH0_STEPS + 1)
+            self._repeatable[padded_batch] = (tuple(request_ids), REPEAT_DEPTH0_STEPS, stale_at)
         return best
+
+    def repeat_depth0(self, request_ids: tuple, padded_batch: int) -> DraftShape | None:
+        """Depth 0 without the full pass of `choose` (see REPEAT_DEPTH0_STEPS), or None where `choose` must
+        decide: another batch than the last depth-0 choice's at this padded size, an observation, admission
+        or finished request since, REPEAT_DEPTH0_STEPS repeats already, or a probe or refresh due. Counts
+        the step as `choose` would. For pure decode steps (no prompt chunks) of unconstrained batches."""
+        last = self._repeatable.get(padded_batch)
+        if last is None or last[1] <= 0 or last[0] != request_ids:
+            return None
+        ids, left, stale_at = last
+        steps = self._steps_since_probe.get(padded_batch, 0) + 1
+        depth0 = self.options[0]
+        if steps >= self._probe_interval(padded_batch, depth0, self.deepest):
+            return None  # (choose decides whether the probe waits for a catch-up)
+        if self._steps.get(padded_batch, 0) >= stale_at:
+            return None  # (`_refresh` compares the steps counted before this one)
+        self._repeatable[padded_batch] = (ids, left - 1, stale_at)
+        self._undrafted_steps[padded_batch] = self._undrafted_steps.get(padded_batch, 0) + 1
+        self._count_step(padded_batch, depth0, steps)
+        return depth0
+
+    def _count_step(self, padded_batch, shape: DraftShape, steps_since_probe: int) -> None:
+        self._steps_since_probe[padded_batch] = steps_since_probe
+        count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
+        self._run_at[(padded_batch, shape)] = count
 
     def _slowest_rows_progress(self, per_request, tree_each, remaining) -> tuple[list[float], float]:
         """For a drained batch of fixed-length rows (nothing queued, no row can end early): the batch is done

@@ -212,11 +212,18 @@ class SpecWorker:
             for rid in demoted:
                 self.lag.pop(rid, None)  # (its deferred extends are dropped with its draft state)
             self.stats.dormant_demoted += len(demoted)
-        if self._all_dormant([c.request_id for c in verify]):
+        ids = tuple(c.request_id for c in verify)
+        if self._all_dormant(ids):
             # No row has draft state: drafts would accept nothing and teach nothing. (Asking the policy
             # cost 63-66 us a step on an H200's host, a quarter of the demo pair's plain decode step.)
             return self.policy.options[0]
-        prefill_rows = len({c.request_id for c in sched.chunks if not self.is_verify(c)})
+        pure_decode = len(verify) == len(sched.chunks)
+        if pure_decode:  # (policy.REPEAT_DEPTH0_STEPS; constrained batches keep their choices under another key)
+            again = self.policy.repeat_depth0(ids, self.padded_batch(len(verify)))
+            if again is not None:
+                return again
+        constrained = any(c.sampling_params.constrained for c in verify)
+        prefill_rows = 0 if pure_decode else len({c.request_id for c in sched.chunks if not self.is_verify(c)})
         lags = [self.lag.get(c.request_id, 0) for c in verify if not self._dormant(c.request_id)]  # rows that defer
         # Tokens each may still emit: the root at start_pos is its newest (a lower bound for a future chunk).
         remaining = [c.sampling_params.max_new_tokens - (c.start_pos + 1 - c.num_prompt_tokens) for c in verify]
@@ -226,9 +233,8 @@ class SpecWorker:
         together = [_fixed_length(c.sampling_params) for c in verify] if draining else []
         # Whether drafting now would run a catch-up that a depth-0 step would not.
         forced = self._catch_up_needed(lags, drafts=True) and not self._catch_up_needed(lags, drafts=False)
-        return self.policy.choose([c.request_id for c in verify], self.padded_batch(len(verify)),
-                                  constrained=any(c.sampling_params.constrained for c in verify),
-                                  prefill_rows=prefill_rows,
+        return self.policy.choose(ids, self.padded_batch(len(verify)),
+                                  constrained=constrained, prefill_rows=prefill_rows,
                                   catch_up_batch=self.padded_batch(len(lags)) if lags else 0,
                                   remaining=remaining, finish_together=together if any(together) else None,
                                   catch_up_forced=forced)
