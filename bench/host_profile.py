@@ -86,7 +86,7 @@ def all_dormant(engine) -> None:
     """Every request admitted dormant (no draft prefill, no catch-ups): the depth-0 path's floor."""
     policy = engine.runner.spec.policy
 
-    def admit(request_id, padded_batch, *_):
+    def admit(request_id, padded_batch, *_, **__):
         policy.dormant.add(request_id)
         return True
 

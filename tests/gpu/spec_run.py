@@ -67,7 +67,7 @@ def main(argv=None):
             del graphs[name]
     if ns.dormant:
         policy = engine.runner.spec.policy
-        policy.admit = lambda request_id, padded_batch, *_: policy.dormant.add(request_id) or True
+        policy.admit = lambda request_id, padded_batch, *_, **__: policy.dormant.add(request_id) or True
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1 if ns.logprobs else None)
     if ns.sampling != "greedy":
         params = seeded_mix(16, penalties=ns.sampling == "seeded-penalties", logprobs=1 if ns.logprobs else None)

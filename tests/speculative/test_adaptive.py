@@ -134,7 +134,7 @@ class DormantHalfPolicy(CyclingPolicy):
         super().__init__(base)
         self.admits = 0
 
-    def admit(self, request_id, padded_batch, *_):
+    def admit(self, request_id, padded_batch, *_, **__):
         self.dormant.discard(request_id)
         self.admits += 1
         if self.admits % 2:
@@ -216,7 +216,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
                 policy.cost_ms[(bs, shape)] = 1.0 + 0.8 * shape.depth
         admitted = []
         real_admit = policy.admit
-        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a: admitted.append(real_admit(rid, padded, *a))
+        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k: admitted.append(real_admit(rid, padded, *a, **k))
                             or admitted[-1])
         fed = []
         real_prefill = spec.drafter.prefill
@@ -306,7 +306,7 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
         assert 0.3 < policy.acceptance[0] < 0.7, policy.acceptance
         admitted = []
         real_admit = policy.admit
-        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a: admitted.append((real_admit(rid, padded, *a), padded))
+        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k: admitted.append((real_admit(rid, padded, *a, **k), padded))
                             or admitted[-1][0])
         e.generate(input_ids=PROMPTS[4:4 + 2 * SENTINEL_EVERY], sampling_params=params)
         assert [padded for _, padded in admitted] == [2 * SENTINEL_EVERY] * (2 * SENTINEL_EVERY), admitted

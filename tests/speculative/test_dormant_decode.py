@@ -21,7 +21,7 @@ class DormantEvery(ScriptedChoice):
         super().__init__(base)
         self.every, self.admissions = every, 0
 
-    def admit(self, request_id, padded_batch, *_):
+    def admit(self, request_id, padded_batch, *_, **__):
         self.admissions += 1
         if self.admissions % self.every == 0:
             self.dormant.discard(request_id)

@@ -33,11 +33,13 @@ def teach(p: DepthPolicy, rate_per_position: list[float], steps=400, rid="r") ->
         p.observe_accept(rid, DraftShape(D), accepted + 1)
 
 
-def set_acceptance(p: DepthPolicy, rates: list[float]) -> None:
-    """The engine-wide rates, as if measured over many steps (requests without history use them)."""
-    p.acceptance = list(rates)
-    p._seen = [10**6] * D
-    p._engine_expected = p._engine_spread = None
+def set_acceptance(p: DepthPolicy, rates: list[float], sampled: bool | None = None) -> None:
+    """The engine-wide rates of a sampling class (None: both), as if measured over many steps (requests
+    without history use them)."""
+    for cls in p.rates_by_class.values() if sampled is None else [p.rates_by_class[sampled]]:
+        cls.acceptance = list(rates)
+        cls.seen = [10**6] * D
+        cls.expected = cls.spread = None
 
 
 def test_expected_tokens_by_hand():
@@ -373,7 +375,7 @@ def test_straggler_factor_matches_a_simulated_batch():
     assert expected_max_of_normals(64) == pytest.approx(2.41, abs=0.1)  # tabulated: 2.4090
     p = DepthPolicy(D, tree=False)
     set_acceptance(p, [0.3, 0.3, 0.3])
-    factors = p._straggler_factors(64, 64)
+    factors = p._straggler_factors(64, 64, p.rates_by_class[False])
     rng = random.Random(0)
 
     def steps_to(tokens):
@@ -602,3 +604,25 @@ def test_a_repeated_depth_0_choice_is_the_one_choose_would_make():
     for _ in range(20):
         repeated.observe_step(DraftShape(3), list(ids), [4] * 8)
     assert repeated.repeat_depth0(ids, 8) is None and repeated.choose(ids, 8).drafts
+
+
+def test_greedy_and_sampled_requests_keep_acceptances_of_their_own():
+    """Greedy requests accept far more than sampled ones (the demo pair: 2.4-2.6 tokens a chain of three
+    against 1.3 at temperature 1). Each class keeps its own engine-wide rates: here greedy a = 0.9 and
+    sampled a = 0.1 at every position, batch 8, costs 1.0 / 1.3 / 1.6 / 1.9 ms at depth 0..3. By hand:
+    greedy rows yield 8 x 3.439 / 1.9 = 14.5 tokens per ms at depth 3 against 8 at depth 0; sampled rows
+    at best 8 x 1.1 / 1.3 = 6.8 (depth 1), so depth 0, and a new sampled request is admitted dormant
+    (the rates are settled) while a new greedy one keeps its draft. One engine-wide rate (0.5 here)
+    would treat both alike."""
+    p = policy_with_costs({8: [1.0, 1.3, 1.6, 1.9]}, probe_every=10**9)
+    greedy, sampled = [f"g{i}" for i in range(8)], [f"s{i}" for i in range(8)]
+    for g, s in zip(greedy, sampled):  # before any observation: nobody is dormant
+        assert not p.admit(g, 8) and not p.admit(s, 8, sampled=True)
+    teach(p, [0.9, 0.9, 0.9], rid="g0")
+    teach(p, [0.1, 0.1, 0.1], rid="s0")
+    assert p.rates_by_class[False].acceptance[0] > 0.85 and p.rates_by_class[True].acceptance[0] < 0.15
+    assert p.choose(greedy, 8) == DraftShape(3)
+    assert p.choose(sampled, 8) == DraftShape(0)
+    assert p.admit("new sampled", 8, sampled=True) and not p.admit("new greedy", 8)
+    # Demotion judges each class at its own rates: only the sampled rows drop their drafts.
+    assert sorted(p.demote(greedy + sampled, 8)) == sorted(sampled)

@@ -9,7 +9,7 @@ drafting is a tree (topk > 1), that tree. For the batch about to run the policy 
 where a_j is the acceptance rate of draft position j given that position j - 1 was accepted: an
 exponentially weighted average over recent verify steps (the engine's moves once a step, by that step's
 hits over tries), the request's own at a position once it has enough observations of it and the
-engine's otherwise. A tree's expected tokens are the weighted average of its own
+engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens are the weighted average of its own
 accept lengths. Time is the measured time of an iteration of that option at the batch's padded size:
 timed at start-up when graphs are captured, refined by every step's measured time. Batches with a
 grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
@@ -121,6 +121,36 @@ class _RequestRates:
     expected: list[float] | None = None
 
 
+class _ClassRates:
+    """The engine-wide acceptance of one sampling class (greedy or sampled requests): a_1..a_D, the
+    observations behind each, the tree's mean accept length, and caches of what follows from them.
+    Requests without enough history of their own take their class's: on an H200 the demo pair accepts
+    2.4-2.6 tokens a chain of three greedy and 1.3 at temperature 1, and with one engine-wide estimate the
+    greedy requests that followed sampled traffic were admitted dormant (0.84-0.91x plain at batch 8 and 32
+    where fixed depth ran 1.39x at 32), while sampled ones after greedy traffic kept drafting in vain."""
+
+    def __init__(self, num_steps: int, prior: float):
+        self.acceptance = [prior] * num_steps  # a_1..a_D
+        self.seen = [0] * num_steps  # observations of each position
+        self.expected: list[float] | None = None  # expected_by_depth(effective()), None when stale
+        self.spread: tuple | None = None  # (expected, spread_by_depth) of it, None when stale
+        self.tree_tokens = 1.0 + sum(prior ** j for j in range(1, num_steps + 1))  # mean tree accept length
+        self.tree_seen = 0
+        self.learning_probe_at = -1  # observations of position 1 when the last learning probe ran
+
+    def effective(self) -> list[float]:
+        """a_1..a_D as the choice uses them: a position never observed takes the rate of the one before it
+        (acceptance falls slowly with depth), not the prior. With the prior (0.6) a batch of 64 at
+        acceptance 0.95 chose chains of one (a_1 learned, a_2 and a_3 never drafted): deeper chains looked
+        worse than they were, and at that batch a probe of the deepest came once per 85 steps (its 0.5%
+        budget), after the run had ended (0.89x fixed depth on an H200)."""
+        out = list(self.acceptance)
+        for j in range(1, len(out)):
+            if self.seen[j] == 0:
+                out[j] = out[j - 1]
+        return out
+
+
 def spread_by_depth(rates: list[float]) -> list[float]:
     """The standard deviation of one step's tokens at depth 0..D. With S_k = a_1 ... a_k (S_0 = 1) the
     chance of at least k + 1 tokens, E[T] = sum S_k and E[T^2] = sum (2k + 1) S_k over k = 0..d."""
@@ -192,6 +222,7 @@ class DepthPolicy:
         self.prior_weight = prior_weight
         self.hysteresis = hysteresis
         self.prior = prior
+        self.sampled: set[str] = set()  # requests that sample (temperature > 0): their class's rates (`admit`)
         self.reset_acceptance()
         self._requests: dict[str, _RequestRates] = {}
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
@@ -216,27 +247,39 @@ class DepthPolicy:
 
     def reset_acceptance(self) -> None:
         """Back to the prior, as at start-up (the cost table stays)."""
-        self.acceptance = [self.prior] * self.num_steps  # engine-wide a_1..a_D
+        # Engine-wide acceptance by sampling class: False greedy requests, True sampled ones (_ClassRates).
+        self.rates_by_class = {False: _ClassRates(self.num_steps, self.prior),
+                               True: _ClassRates(self.num_steps, self.prior)}
         self._accept_nothing = [1.0] * (self.num_steps + 1)  # a dormant request's expected tokens by depth
-        self._seen = [0] * self.num_steps  # observations of each position
-        self._engine_expected: list[float] | None = None  # expected_by_depth(acceptance), None when stale
-        self._engine_spread: tuple | None = None  # (expected, spread_by_depth) of it, None when stale
-        self.tree_tokens = 1.0 + sum(self.prior ** j for j in range(1, self.num_steps + 1))  # of tree accept lengths
-        self._tree_seen = 0
-        self._learning_probe_at = -1  # observations of position 1 when the last learning probe ran
         self._repeatable = {}
 
-    def effective_acceptance(self) -> list[float]:
-        """The engine's a_1..a_D as the choice uses them: a position never observed takes the rate of the
-        one before it (acceptance falls slowly with depth), not the prior. With the prior (0.6) a batch
-        of 64 at acceptance 0.95 chose chains of one (a_1 learned, a_2 and a_3 never drafted): deeper
-        chains looked worse than they were, and at that batch a probe of the deepest came once per 85
-        steps (its 0.5% budget), after the run had ended (0.89x fixed depth on an H200)."""
-        out = list(self.acceptance)
-        for j in range(1, len(out)):
-            if self._seen[j] == 0:
-                out[j] = out[j - 1]
-        return out
+    def _class(self, sampled: bool | None) -> _ClassRates:
+        """A sampling class's rates; None: the class observed most (the traffic's, for reports)."""
+        if sampled is None:
+            greedy, other = self.rates_by_class[False], self.rates_by_class[True]
+            return other if other.seen[0] > greedy.seen[0] else greedy
+        return self.rates_by_class[sampled]
+
+    def _class_of(self, request_id) -> _ClassRates:
+        return self.rates_by_class[request_id in self.sampled]
+
+    def _batch_class(self, request_ids) -> _ClassRates:
+        """The class of most of a batch's rows (for what is judged batch-wide: learning probes, stragglers)."""
+        sampled = len(self.sampled.intersection(request_ids)) if self.sampled else 0
+        return self.rates_by_class[2 * sampled > len(request_ids)]
+
+    @property
+    def acceptance(self) -> list[float]:
+        """The engine's a_1..a_D (of the class observed most)."""
+        return self._class(None).acceptance
+
+    @property
+    def _seen(self) -> list[int]:
+        return self._class(None).seen
+
+    def effective_acceptance(self, sampled: bool | None = None) -> list[float]:
+        """A class's a_1..a_D as the choice uses them (`_ClassRates.effective`); None: the class observed most."""
+        return self._class(sampled).effective()
 
     # ---- what the engine tells it ----------------------------------------------------------------------
     def observe_accept(self, request_id: str, shape: DraftShape, accept_len: int) -> None:
@@ -251,18 +294,30 @@ class DepthPolicy:
         an observation, a 5% moving average remembered about 20 rows, less than one step of a big batch:
         at batch 128, acceptance 0.95, the rate of position 3 read 0.83 after one step (the last rows of
         that step), which chose chains of two for the rest of a replayed run, that position no longer
-        drafted. Dormant rows teach nothing: their drafts come from no state."""
+        drafted. Dormant rows teach nothing: their drafts come from no state. Each row teaches its own
+        sampling class (`_ClassRates`)."""
         rows = [(rid, k) for rid, k in zip(request_ids, accept_lens) if rid not in self.dormant]
         if not rows or not shape.drafts:
             return  # nothing drafted, nothing observed
         self._repeatable.clear()
+        sampled = self.sampled
+        if sampled:
+            for cls in (False, True):
+                part = [row for row in rows if (row[0] in sampled) == cls]
+                if part:
+                    self._observe_class(self.rates_by_class[cls], shape, part)
+        else:
+            self._observe_class(self.rates_by_class[False], shape, rows)
+
+    def _observe_class(self, cls: _ClassRates, shape: DraftShape, rows) -> None:
+        """`observe_step` for rows [(request id, accept length)] of one sampling class."""
         if shape.tree:
             mean = sum(k for _, k in rows) / len(rows)
-            self.tree_tokens += self._step_weight(self._tree_seen, len(rows)) * (mean - self.tree_tokens)
-            self._tree_seen += len(rows)
+            cls.tree_tokens += self._step_weight(cls.tree_seen, len(rows)) * (mean - cls.tree_tokens)
+            cls.tree_seen += len(rows)
             return
-        depth, engine, seen = shape.depth, self.acceptance, self._seen
-        assumed = self.effective_acceptance()  # what the choice assumed so far, for positions seen first now
+        depth, engine, seen = shape.depth, cls.acceptance, cls.seen
+        assumed = cls.effective()  # what the choice assumed so far, for positions seen first now
         hits, tries = [0] * depth, [0] * depth
         # A request's own rates start from the engine's, worth prior_weight observations, and are then
         # weighted as the engine's are (a slow moving average from the start kept the prior for dozens of
@@ -291,7 +346,7 @@ class DepthPolicy:
                 engine[j] = assumed[j]
             engine[j] += self._step_weight(seen[j], tries[j]) * (hits[j] / tries[j] - engine[j])
             seen[j] += tries[j]
-        self._engine_expected = self._engine_spread = None
+        cls.expected = cls.spread = None
 
     def _step_weight(self, seen: int, new: int) -> float:
         """The weight of a step's mean over `new` observations, after `seen` before it: the running mean
@@ -339,6 +394,7 @@ class DepthPolicy:
             self._requests.pop(rid, None)
             self.dormant.discard(rid)
             self.sentinels.discard(rid)
+            self.sampled.discard(rid)
             self._repeatable.clear()
 
     def cost_row(self, padded_batch: int) -> dict[str, float]:
@@ -351,23 +407,29 @@ class DepthPolicy:
         return row
 
     # ---- dormant admission -------------------------------------------------------------------------------
-    def admit(self, request_id: str, padded_batch: int, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
+    def admit(self, request_id: str, padded_batch: int, prompt_tokens: int = 0, max_new_tokens: int = 0,
+              sampled: bool = False) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
-        does not pay (`_drafting_cannot_pay`) once the draft's prefill of `prompt_tokens` is paid for out
-        of what drafting saves over `max_new_tokens` (`prefill_share_ms`); every SENTINEL_EVERY-th request
-        keeps its draft all the same."""
+        does not pay (`_drafting_cannot_pay`, at the acceptance of its sampling class: `sampled`,
+        temperature > 0) once the draft's prefill of `prompt_tokens` is paid for out of what drafting saves
+        over `max_new_tokens` (`prefill_share_ms`); every SENTINEL_EVERY-th request keeps its draft all
+        the same."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
         self._repeatable.clear()
-        if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
+        if sampled:
+            self.sampled.add(request_id)
+        else:
+            self.sampled.discard(request_id)
+        if not self.dormancy or self.rates_by_class[sampled].seen[0] < DORMANT_MIN_OBSERVATIONS:
             return False
         self._admitted += 1
         if self._admitted % SENTINEL_EVERY == 0:
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
-        if not self._drafting_cannot_pay(padded_batch, upkeep):
+        if not self._drafting_cannot_pay(padded_batch, upkeep, sampled):
             return False
         self.dormant.add(request_id)
         return True
@@ -378,15 +440,21 @@ class DepthPolicy:
         drafting still looked worth it otherwise kept paying the draft's upkeep (catch-ups, and a batch of
         dormant rows alone runs plain decoding's cheaper step) for the rest of their run: on an H200 the
         demo pair at temperature 1 went dormant at admission only from its fourth run of a batch size.
-        Dropping is for good (a dormant request never gets its draft state back)."""
-        if not self.dormancy or self._seen[0] < DORMANT_MIN_OBSERVATIONS:
+        Dropping is for good (a dormant request never gets its draft state back). Each sampling class is
+        judged at its own acceptance."""
+        if not self.dormancy:
             return []
         keeping = [rid for rid in request_ids if rid not in self.dormant and rid not in self.sentinels]
-        if not keeping or not self._drafting_cannot_pay(padded_batch):
-            return []
-        self.dormant.update(keeping)
-        self._repeatable.clear()
-        return keeping
+        dropped = []
+        for sampled in (False, True):
+            rows = [rid for rid in keeping if (rid in self.sampled) == sampled]
+            if (rows and self.rates_by_class[sampled].seen[0] >= DORMANT_MIN_OBSERVATIONS
+                    and self._drafting_cannot_pay(padded_batch, sampled=sampled)):
+                dropped += rows
+        if dropped:
+            self.dormant.update(dropped)
+            self._repeatable.clear()
+        return dropped
 
     def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
         """What the draft's prefill of new requests costs per step of their batch: each of its
@@ -406,24 +474,25 @@ class DepthPolicy:
         self._draft_prefills += 1
         self.draft_prefill_ms_per_token = new if self._draft_prefills <= 2 else old + 0.2 * (new - old)
 
-    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0) -> bool:
+    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
         observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
         DORMANT_SETTLED_STEPS steps, at the rates as estimated. A dormant row's step costs
         what a batch of dormant rows costs (plain decoding's step), depth 0's until such steps were timed.
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
-        must then save that much of a dormant step's time to pay."""
+        must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
+        (`sampled`)."""
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
-        rates = self.effective_acceptance()
-        settled = (self._seen[0] >= DORMANT_SETTLED_OBSERVATIONS
-                   or self._undrafted_steps.get(padded_batch, 0) >= DORMANT_SETTLED_STEPS)
-        as_estimated = expected_by_depth(rates)
-        expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance())
+        cls = self.rates_by_class[sampled]
+        settled = (cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
+                   or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
+        as_estimated = expected_by_depth(cls.effective())
+        expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance(sampled))
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
-        tree_tokens = self.tree_tokens * expected[-1] / as_estimated[-1]
+        tree_tokens = cls.tree_tokens * expected[-1] / as_estimated[-1]
         dormant_step = self.dormant_cost_ms.get(padded_batch, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
@@ -438,12 +507,14 @@ class DepthPolicy:
             return
         self.dormant_cost_ms[padded_batch] = old + self.decay * (min(ms, OUTLIER_RATIO * old) - old)
 
-    def optimistic_acceptance(self) -> list[float]:
+    def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
         DORMANT_CONFIDENCE_Z) over the observations of position 1; the deeper rates as they are (a
         deep position is observed only after position 1 was accepted, so its own interval is wide
-        exactly when position 1 is rarely accepted, and would keep every request drafting)."""
-        rates, n, z = self.effective_acceptance(), self._seen[0], DORMANT_CONFIDENCE_Z
+        exactly when position 1 is rarely accepted, and would keep every request drafting). Of a sampling
+        class (None: the class observed most)."""
+        cls = self._class(sampled)
+        rates, n, z = cls.effective(), cls.seen[0], DORMANT_CONFIDENCE_Z
         if n == 0:
             return [1.0] + rates[1:]
         a = rates[0]
@@ -465,21 +536,22 @@ class DepthPolicy:
             return self._accept_nothing
         req = self._requests.get(request_id)
         if req is None or req.drafting_steps < self.min_request_obs:
-            if self._engine_expected is None:
-                self._engine_expected = expected_by_depth(self.effective_acceptance())
-            return self._engine_expected
+            cls = self._class_of(request_id)
+            if cls.expected is None:
+                cls.expected = expected_by_depth(cls.effective())
+            return cls.expected
         if req.expected is None:
             rates, enough = req.rates, self.min_request_obs
-            if any(n < enough for n in req.seen):  # too few observations of a position: the engine's rate
-                rates = [own if n >= enough else e for own, n, e in zip(rates, req.seen, self.effective_acceptance())]
+            if any(n < enough for n in req.seen):  # too few observations of a position: its class's rate
+                engine = self._class_of(request_id).effective()
+                rates = [own if n >= enough else e for own, n, e in zip(rates, req.seen, engine)]
             req.expected = expected_by_depth(rates)
         return req.expected
 
     def expected_tokens(self, request_ids, shape: DraftShape) -> float:
         """Sum over the batch of each request's expected tokens from one step of `shape`."""
         if shape.tree:
-            dormant = sum(rid in self.dormant for rid in request_ids)
-            return self.tree_tokens * (len(request_ids) - dormant) + dormant
+            return sum(1.0 if rid in self.dormant else self._class_of(rid).tree_tokens for rid in request_ids)
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
     def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0,
@@ -512,7 +584,9 @@ class DepthPolicy:
         # on a CI CPU, against a demo-pair iteration of 0.74 ms on an H200).
         dormant, nothing = self.dormant, self._accept_nothing
         per_request = [nothing if rid in dormant else self._expected_of(rid) for rid in request_ids]
-        tree_each = [1.0 if rid in dormant else self.tree_tokens for rid in request_ids]
+        tree_each = [1.0 if rid in dormant else self._class_of(rid).tree_tokens for rid in request_ids]
+        batch_class = self._batch_class(request_ids)
+        sampled_batch = batch_class is self.rates_by_class[True]
         if remaining is not None:
             for i, left in enumerate(remaining):
                 if left <= self.num_steps:  # near its end: depth past left - 1 adds nothing
@@ -522,13 +596,13 @@ class DepthPolicy:
                     tree_each[i] = min(tree_each[i], float(left))
         fixed_rows = finish_together is not None and remaining is not None
         if fixed_rows and not prefill_rows and all(finish_together):
-            chain_tokens, tree_tokens = self._slowest_rows_progress(per_request, tree_each, remaining)
+            chain_tokens, tree_tokens = self._slowest_rows_progress(per_request, tree_each, remaining, batch_class)
         else:
             chain_tokens = [sum(column) + prefill_rows for column in zip(*per_request)]
             tree_tokens = sum(tree_each) + prefill_rows
             if fixed_rows and sum(finish_together) > 1:
                 rows = [i for i, together in enumerate(finish_together) if together]
-                factors = self._straggler_factors(len(rows), max(remaining[i] for i in rows))
+                factors = self._straggler_factors(len(rows), max(remaining[i] for i in rows), batch_class)
                 for d in range(1, self.num_steps + 1):
                     chain_tokens[d] -= (1 - 1 / factors[d]) * sum(per_request[i][d] for i in rows)
                 tree_tokens -= (1 - 1 / factors[-1]) * sum(tree_each[i] for i in rows)
@@ -550,15 +624,16 @@ class DepthPolicy:
         if last != best:
             logger.info("adaptive speculation: batch %s%s now drafts %s (acceptance per position %s)",
                         padded_batch, " with prompt chunks" if prefill_rows else "", best.name,
-                        ", ".join(f"{a:.2f}" for a in self.acceptance))
+                        ", ".join(f"{a:.2f}" for a in batch_class.acceptance))
             self._last_choice[key] = best
         if prefill_rows:
             return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
-        self._undrafted_steps[padded_batch] = 0 if best.drafts else self._undrafted_steps.get(padded_batch, 0) + 1
+        undrafted = (sampled_batch, padded_batch)
+        self._undrafted_steps[undrafted] = 0 if best.drafts else self._undrafted_steps.get(undrafted, 0) + 1
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
         wait = catch_up_forced and not best.drafts  # (see above)
         if best != self.deepest and ((steps >= self._probe_interval(padded_batch, best, self.deepest) and not wait)
-                                     or self._learning(request_ids)):
+                                     or self._learning(request_ids, batch_class)):
             # The deepest option observes every position at once: one probe can show that a deep
             # draft pays even when the first position alone would not justify a chain of one. And while
             # the engine has observed position 1 fewer times than this batch has drafting rows, one
@@ -576,7 +651,7 @@ class DepthPolicy:
             floor, count = rate(best) * (1 - REFRESH_MARGIN), self._steps[padded_batch]
             stale_at = min((self._run_at.get((padded_batch, s), 0) + REFRESH_EVERY for s in self.options
                             if s != best and rate(s) >= floor), default=count + REPEAT_DEPTH0_STEPS + 1)
-            self._repeatable[padded_batch] = (tuple(request_ids), REPEAT_DEPTH0_STEPS, stale_at)
+            self._repeatable[padded_batch] = (tuple(request_ids), REPEAT_DEPTH0_STEPS, stale_at, undrafted)
         return best
 
     def repeat_depth0(self, request_ids: tuple, padded_batch: int) -> DraftShape | None:
@@ -587,15 +662,15 @@ class DepthPolicy:
         last = self._repeatable.get(padded_batch)
         if last is None or last[1] <= 0 or last[0] != request_ids:
             return None
-        ids, left, stale_at = last
+        ids, left, stale_at, undrafted = last
         steps = self._steps_since_probe.get(padded_batch, 0) + 1
         depth0 = self.options[0]
         if steps >= self._probe_interval(padded_batch, depth0, self.deepest):
             return None  # (choose decides whether the probe waits for a catch-up)
         if self._steps.get(padded_batch, 0) >= stale_at:
             return None  # (`_refresh` compares the steps counted before this one)
-        self._repeatable[padded_batch] = (ids, left - 1, stale_at)
-        self._undrafted_steps[padded_batch] = self._undrafted_steps.get(padded_batch, 0) + 1
+        self._repeatable[padded_batch] = (ids, left - 1, stale_at, undrafted)
+        self._undrafted_steps[undrafted] = self._undrafted_steps.get(undrafted, 0) + 1
         self._count_step(padded_batch, depth0, steps)
         return depth0
 
@@ -604,7 +679,7 @@ class DepthPolicy:
         count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
         self._run_at[(padded_batch, shape)] = count
 
-    def _slowest_rows_progress(self, per_request, tree_each, remaining) -> tuple[list[float], float]:
+    def _slowest_rows_progress(self, per_request, tree_each, remaining, cls: _ClassRates) -> tuple[list[float], float]:
         """For a drained batch of fixed-length rows (nothing queued, no row can end early): the batch is done
         when its slowest row is, so what a step is worth is the progress of the rows that can still end
         last (those within one deepest step's tokens of the most remaining), their mean expected tokens
@@ -615,25 +690,25 @@ class DepthPolicy:
         where fixed depth needed 20 steps in all)."""
         most = max(remaining)
         last = [i for i, left in enumerate(remaining) if left > most - (self.num_steps + 1)]
-        factors = self._straggler_factors(len(last), most)
+        factors = self._straggler_factors(len(last), most, cls)
         n = len(last)
         columns = zip(*[per_request[i] for i in last])  # (column sums: a generator per depth cost 20 us at batch 32)
         chain = [sum(column) / (n * factor) for column, factor in zip(columns, factors)]
         tree = sum(tree_each[i] for i in last) / (n * factors[-1])
         return chain, tree
 
-    def _learning(self, request_ids) -> bool:
-        """Whether to run a learning probe: the engine has observed position 1 fewer times than the batch has
-        drafting rows, and has observed it since the last learning probe."""
-        seen = self._seen[0]
-        if seen == self._learning_probe_at or seen >= len(request_ids):
+    def _learning(self, request_ids, cls: _ClassRates) -> bool:
+        """Whether to run a learning probe: the batch's class has observed position 1 fewer times than the
+        batch has drafting rows, and has observed it since the last learning probe."""
+        seen = cls.seen[0]
+        if seen == cls.learning_probe_at or seen >= len(request_ids):
             return False  # (a probe's results come a step later under overlap: one probe, not two)
         if seen >= len(request_ids) - len(self.dormant.intersection(request_ids)):
             return False
-        self._learning_probe_at = seen
+        cls.learning_probe_at = seen
         return True
 
-    def _straggler_factors(self, rows: int, remaining: int) -> list[float]:
+    def _straggler_factors(self, rows: int, remaining: int, cls: _ClassRates) -> list[float]:
         """By depth 0..D: how much longer than its mean a batch of `rows` requests that each need
         `remaining` more tokens takes to finish, when it finishes with its slowest request. At depth d a
         request needs R / E steps on average (E: expected tokens a step), with a spread of
@@ -642,11 +717,11 @@ class DepthPolicy:
         (depth 0) needs exactly R steps. On an H200 at acceptance 0.3, batch 64, a chain of one took
         51-56 steps for 64 tokens where the mean asks 49 (the formula: 55), which turned a 7% gain per
         step into a loss; at acceptance 0.6, batch 128, 41-45 steps against 40 (formula: 45). From the
-        engine's acceptance (a request's own would cost a pass over the batch per step)."""
-        if self._engine_spread is None:
-            rates = self.effective_acceptance()
-            self._engine_spread = expected_by_depth(rates), spread_by_depth(rates)
-        expected, spread = self._engine_spread
+        acceptance of the batch's class `cls` (a request's own would cost a pass over the batch per step)."""
+        if cls.spread is None:
+            rates = cls.effective()
+            cls.spread = expected_by_depth(rates), spread_by_depth(rates)
+        expected, spread = cls.spread
         z = self._max_of_normals.get(rows)
         if z is None:
             z = self._max_of_normals[rows] = expected_max_of_normals(rows)

@@ -682,7 +682,8 @@ class SpecWorker:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
                 if self.policy is not None and self.policy.admit(c.request_id, joins, c.num_prompt_tokens,
-                                                                  c.sampling_params.max_new_tokens):
+                                                                  c.sampling_params.max_new_tokens,
+                                                                  sampled=not c.sampling_params.greedy):
                     self.stats.dormant_admitted += 1  # dormant: no draft prefill, no catch-ups
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
