@@ -626,3 +626,21 @@ def test_greedy_and_sampled_requests_keep_acceptances_of_their_own():
     assert p.admit("new sampled", 8, sampled=True) and not p.admit("new greedy", 8)
     # Demotion judges each class at its own rates: only the sampled rows drop their drafts.
     assert sorted(p.demote(greedy + sampled, 8)) == sorted(sampled)
+
+
+def test_the_prefill_charge_is_what_a_prompt_token_adds_not_a_calls_fixed_part():
+    """A prefill call costs a fixed part and a part per token (here 0.5 ms for 128 tokens and 0.6 ms for
+    1,024: 0.1 ms over 896 tokens, 1.116e-4 ms a token). Costs at batch 32: depth 0 1.0 ms, a chain of one
+    1.2 ms, a_1 = 0.3, so a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms. Charged the slope, a batch
+    of 32 whose 128-token prompts are paid back over 96 tokens owes 32 * 128 * 1.116e-4 / 96 = 0.0048 ms a
+    step (drafting must beat 1 / 0.9952 = 1.005: drafts kept). At a moving average of each call's time per
+    token (the rule before: 0.0021 for these calls) it would owe 0.088 ms (1 / 0.912 = 1.096:
+    dormant), the fixed part of the small calls counted once per row."""
+    p = policy_with_costs({32: [1.0, 1.2, 1.6, 2.0]}, probe_every=10**9)
+    set_acceptance(p, [0.3, 0.0, 0.0])
+    for _ in range(20):
+        p.observe_draft_prefill(128, 0.5)
+        p.observe_draft_prefill(1024, 0.6)
+    assert p.draft_prefill_ms_per_token == pytest.approx(0.1 / 896, rel=1e-6)
+    assert p.prefill_share_ms(32, 128, 96) == pytest.approx(32 * 128 * (0.1 / 896) / 96, rel=1e-6)
+    assert not p.admit("keeps its draft", 32, prompt_tokens=128, max_new_tokens=96)

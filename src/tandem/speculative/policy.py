@@ -9,9 +9,10 @@ drafting is a tree (topk > 1), that tree. For the batch about to run the policy 
 where a_j is the acceptance rate of draft position j given that position j - 1 was accepted: an
 exponentially weighted average over recent verify steps (the engine's moves once a step, by that step's
 hits over tries), the request's own at a position once it has enough observations of it and the
-engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens are the weighted average of its own
-accept lengths. Time is the measured time of an iteration of that option at the batch's padded size:
-timed at start-up when graphs are captured, refined by every step's measured time. Batches with a
+engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens
+are the weighted average of its own accept lengths. Time is the measured time of an iteration of that
+option at the batch's padded size: timed at start-up when graphs are captured, refined by every step's
+measured time. Batches with a
 grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
 waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
 
@@ -50,6 +51,8 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import NamedTuple
+
+from tandem.speculative.prefill_cost import PrefillCost
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +129,8 @@ class _ClassRates:
     observations behind each, the tree's mean accept length, and caches of what follows from them.
     Requests without enough history of their own take their class's: on an H200 the demo pair accepts
     2.4-2.6 tokens a chain of three greedy and 1.3 at temperature 1, and with one engine-wide estimate the
-    greedy requests that followed sampled traffic were admitted dormant (0.84-0.91x plain at batch 8 and 32
-    where fixed depth ran 1.39x at 32), while sampled ones after greedy traffic kept drafting in vain."""
+    greedy requests that followed sampled traffic drafted nothing (0.84-0.91x plain at batch 8 and 32, where
+    fixed depth ran 1.39x at 32), while sampled ones after greedy traffic kept drafting in vain."""
 
     def __init__(self, num_steps: int, prior: float):
         self.acceptance = [prior] * num_steps  # a_1..a_D
@@ -232,17 +235,19 @@ class DepthPolicy:
         self.catch_up_per_step_ms: dict = {}
         self._steps_since_probe: dict[int, int] = {}
         self._steps: dict = {}  # table -> steps chosen at it
-        self._undrafted_steps: dict = {}  # table -> steps in a row whose choice (probes aside) was depth 0
+        # (batch's class sampled?, table) -> steps in a row whose choice (probes aside) was depth 0
+        self._undrafted_steps: dict = {}
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
-        self._repeatable: dict = {}  # table -> (request ids, steps left) of a depth-0 choice (`repeat_depth0`)
+        # table -> (request ids, repeats left, step count when a refresh falls due, its _undrafted_steps key)
+        # of the last depth-0 choice there (`repeat_depth0`)
+        self._repeatable: dict = {}
         self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
         self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
-        self.draft_prefill_ms_per_token: float | None = None  # the draft's prefill, per prompt token
-        self._draft_prefills = 0  # observations behind it
+        self._draft_prefill = PrefillCost()  # what a prompt token adds to the draft's prefill
         self._admitted = 0
 
     def reset_acceptance(self) -> None:
@@ -458,21 +463,22 @@ class DepthPolicy:
 
     def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
         """What the draft's prefill of new requests costs per step of their batch: each of its
-        `padded_batch` rows prefills about `prompt_tokens` (measured ms per token, `observe_draft_prefill`),
-        paid back over `max_new_tokens` steps at most (an upper bound on their length: the share is a
-        lower bound). 0 before any prefill was timed."""
-        if not prompt_tokens or max_new_tokens <= 0 or self.draft_prefill_ms_per_token is None:
+        `padded_batch` rows prefills about `prompt_tokens` (what a token adds to a prefill call,
+        `draft_prefill_ms_per_token`), paid back over `max_new_tokens` steps at most (an upper bound on
+        their length: the share is a lower bound). 0 before any prefill was timed."""
+        per_token = self.draft_prefill_ms_per_token
+        if not prompt_tokens or max_new_tokens <= 0 or per_token is None:
             return 0.0
-        return padded_batch * prompt_tokens * self.draft_prefill_ms_per_token / max_new_tokens
+        return padded_batch * prompt_tokens * per_token / max_new_tokens
+
+    @property
+    def draft_prefill_ms_per_token(self) -> float | None:
+        """What one more prompt token adds to the draft's prefill (speculative/prefill_cost.py)."""
+        return self._draft_prefill.ms_per_token()
 
     def observe_draft_prefill(self, tokens: int, ms: float) -> None:
-        """One step's draft prefill: `ms` for `tokens` prompt tokens. The second observation replaces the
-        first (often a warm-up: first-call allocation, kernel selection), then a moving average."""
-        if tokens <= 0:
-            return
-        new, old = ms / tokens, self.draft_prefill_ms_per_token
-        self._draft_prefills += 1
-        self.draft_prefill_ms_per_token = new if self._draft_prefills <= 2 else old + 0.2 * (new - old)
+        """One step's draft prefill: `ms` for `tokens` prompt tokens."""
+        self._draft_prefill.observe(tokens, ms)
 
     def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
