@@ -4,13 +4,21 @@
 #         adaptive / every request dormant, with each graph's replay time), the demo pair's sampling
 #         benchmark (engines interleaved, five runs a point), and the adaptive sweep (8B shape).
 # PASS=b: every GPU test (bench/h200_tests.sh; xgrammar importable for the structured file).
+# PASS=c: the sweep alone, five runs a point (382-390 s on the H200: with PASS=a's other parts, its 385 s
+#         limit cut the last point once).
 #   PASS=a OUT=/tmp/pass bash bench/h200_session7.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/pass}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
-if [ "${PASS:-a}" = a ]; then
+if [ "${PASS:-a}" = c ]; then
+    t=$(date +%s)
+    timeout -k 5 ${SWEEP_S:-540} python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
+        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats ${SWEEP_REPEATS:-5} \
+        --out "$OUT/sweep-llama-3.1-8b-h200.json" --no-progress > "$OUT/sweep.log" 2>&1
+    grep -v INFO "$OUT/sweep.log" | tail -54; echo "sweep: $(( $(date +%s) - t )) s"
+elif [ "${PASS:-a}" = a ]; then
     t=$(date +%s)
     timeout -k 5 ${PROFILE_S:-90} python bench/host_profile.py --batch-sizes 1 8 32 --output-len 128 --repeats 5 \
         --out "$OUT/host_profile_h200.json" > "$OUT/host_profile.log" 2>&1

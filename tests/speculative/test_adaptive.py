@@ -312,3 +312,36 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
         assert [padded for _, padded in admitted] == [2 * SENTINEL_EVERY] * (2 * SENTINEL_EVERY), admitted
         assert [dormant for dormant, _ in admitted].count(True) == 2 * SENTINEL_EVERY - 2, admitted
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+
+
+def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkeypatch):
+    """Greedy traffic teaches the policy that drafts never pay (synthetic acceptance 0, BENCHMARK ONLY
+    coins; frozen costs 1 + 0.3 d ms, then 1 + 0.8 d as in the test above): a new greedy request is then
+    admitted dormant, but a sampled one is not, because sampled requests keep an estimate of their own
+    (speculative/policy.py `_ClassRates`) and it has no observations yet. The worker says which is which."""
+    from tandem.bench import synthetic
+
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        policy = e.runner.spec.policy
+        for d in (0.3, 0.8):
+            for bs in range(1, 17):
+                for shape in policy.options:
+                    policy.cost_ms[(bs, shape)] = 1.0 + d * shape.depth
+            if d == 0.3:
+                synthetic.install(e, 0.0)
+                e.generate(input_ids=PROMPTS[:4], sampling_params=SamplingParams(
+                    max_new_tokens=40, temperature=0.0, ignore_eos=True))
+        assert policy.rates_by_class[False].acceptance[0] < 0.1 and policy.rates_by_class[True].seen[0] == 0
+        admitted = {}
+        real_admit = policy.admit
+        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k: admitted.setdefault(
+            rid, (k.get("sampled"), real_admit(rid, padded, *a, **k)))[1])
+        params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
+                  for i, t in enumerate([0.0, 1.0, 0.0, 1.0])]
+        outs = e.generate(input_ids=PROMPTS[4:8], sampling_params=params)
+        assert all(len(o.token_ids) == 40 for o in outs)
+        # (sampled?, admitted dormant?) per request, in prompt order: greedy ones dormant, sampled ones drafting.
+        assert [admitted[o.request_id] for o in outs] == [(False, True), (True, False), (False, True), (True, False)]
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total

@@ -130,7 +130,7 @@ class _ClassRates:
     Requests without enough history of their own take their class's: on an H200 the demo pair accepts
     2.4-2.6 tokens a chain of three greedy and 1.3 at temperature 1, and with one engine-wide estimate the
     greedy requests that followed sampled traffic drafted nothing (0.84-0.91x plain at batch 8 and 32, where
-    fixed depth ran 1.39x at 32), while sampled ones after greedy traffic kept drafting in vain."""
+    fixed depth ran 1.39x at 32)."""
 
     def __init__(self, num_steps: int, prior: float):
         self.acceptance = [prior] * num_steps  # a_1..a_D
