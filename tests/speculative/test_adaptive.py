@@ -216,8 +216,8 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
                 policy.cost_ms[(bs, shape)] = 1.0 + 0.8 * shape.depth
         admitted = []
         real_admit = policy.admit
-        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k: admitted.append(real_admit(rid, padded, *a, **k))
-                            or admitted[-1])
+        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k:
+                            admitted.append(real_admit(rid, padded, *a, **k)) or admitted[-1])
         fed = []
         real_prefill = spec.drafter.prefill
         monkeypatch.setattr(spec.drafter, "prefill", lambda feeds, *a: fed.extend(feeds) or real_prefill(feeds, *a))
@@ -306,8 +306,8 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
         assert 0.3 < policy.acceptance[0] < 0.7, policy.acceptance
         admitted = []
         real_admit = policy.admit
-        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k: admitted.append((real_admit(rid, padded, *a, **k), padded))
-                            or admitted[-1][0])
+        monkeypatch.setattr(policy, "admit", lambda rid, padded, *a, **k:
+                            admitted.append((real_admit(rid, padded, *a, **k), padded)) or admitted[-1][0])
         e.generate(input_ids=PROMPTS[4:4 + 2 * SENTINEL_EVERY], sampling_params=params)
         assert [padded for _, padded in admitted] == [2 * SENTINEL_EVERY] * (2 * SENTINEL_EVERY), admitted
         assert [dormant for dormant, _ in admitted].count(True) == 2 * SENTINEL_EVERY - 2, admitted
@@ -322,8 +322,8 @@ def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkey
     from tandem.bench import synthetic
 
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
-    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-                **CHAIN, **ENGINE) as e:
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
         for d in (0.3, 0.8):
             for bs in range(1, 17):
