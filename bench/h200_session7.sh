@@ -12,12 +12,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/pass}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
-if [ "${PASS:-a}" = c ]; then
-    t=$(date +%s)
-    timeout -k 5 ${SWEEP_S:-540} python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
-        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats ${SWEEP_REPEATS:-5} \
+# The 8B sweep: sweep LIMIT_S REPEATS
+sweep() {
+    local t=$(date +%s)
+    timeout -k 5 "$1" python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
+        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats "$2" \
         --out "$OUT/sweep-llama-3.1-8b-h200.json" --no-progress > "$OUT/sweep.log" 2>&1
     grep -v INFO "$OUT/sweep.log" | tail -54; echo "sweep: $(( $(date +%s) - t )) s"
+}
+if [ "${PASS:-a}" = c ]; then
+    sweep "${SWEEP_S:-540}" "${SWEEP_REPEATS:-5}"
 elif [ "${PASS:-a}" = a ]; then
     t=$(date +%s)
     timeout -k 5 ${PROFILE_S:-90} python bench/host_profile.py --batch-sizes 1 8 32 --output-len 128 --repeats 5 \
@@ -28,12 +32,7 @@ elif [ "${PASS:-a}" = a ]; then
     timeout -k 5 ${SAMPLING_S:-120} python bench/sampling_bench.py --shapes demo --batch-sizes 1 8 32 --repeats 5 \
         --out "$OUT/sampling_demo_h200.json" > "$OUT/sampling_demo.log" 2>&1
     grep -A14 "^demo:" "$OUT/sampling_demo.log"; echo "sampling (demo): $(( $(date +%s) - t )) s"
-    t=$(date +%s)
-    timeout -k 5 ${SWEEP_S:-330} python -m tandem bench --sweep --preset llama-3.1-8b --attention-backend triton \
-        --input-len 64 --output-len 64 --cuda-graph-max-bs 128 --repeats ${SWEEP_REPEATS:-3} \
-        --out "$OUT/sweep-llama-3.1-8b-h200.json" \
-        --no-progress > "$OUT/sweep.log" 2>&1
-    tail -30 "$OUT/sweep.log"; echo "sweep: $(( $(date +%s) - t )) s"
+    sweep "${SWEEP_S:-330}" "${SWEEP_REPEATS:-3}"
 else
     TESTS_S=${TESTS_S:-340} OUT="$OUT" bash bench/h200_tests.sh
 fi

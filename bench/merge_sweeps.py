@@ -34,9 +34,9 @@ def main() -> None:
     have = {key(p) for p in first["points"]}
     added = [p for p in second["points"] if key(p) not in have]
     merged = dict(first, points=first["points"] + added, json=ns.out)
-    grid = {(t, a, b) for t in {k[0] for k in map(key, merged["points"])}
-            for a in {k[1] for k in map(key, merged["points"])} for b in {k[2] for k in map(key, merged["points"])}}
-    merged["complete"] = grid == {key(p) for p in merged["points"]}
+    keys = {key(p) for p in merged["points"]}
+    temperatures, acceptances, sizes = ({k[i] for k in keys} for i in range(3))
+    merged["complete"] = len(keys) == len(temperatures) * len(acceptances) * len(sizes)  # every combination
     merged["merged"] = {"points_from_first": [os.path.basename(ns.first), len(first["points"])],
                         "points_from_second": [os.path.basename(ns.second), [list(key(p)) for p in added]]}
     merged["worst"] = worst_points(merged["points"])

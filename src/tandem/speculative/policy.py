@@ -12,9 +12,9 @@ hits over tries), the request's own at a position once it has enough observation
 engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens
 are the weighted average of its own accept lengths. Time is the measured time of an iteration of that
 option at the batch's padded size: timed at start-up when graphs are captured, refined by every step's
-measured time. Batches with a
-grammar-constrained row (structured output) keep a cost table of their own: a drafting step of theirs
-waits for the host's tree masks between draft and verify, so it costs more than the same shape free.
+measured time. Batches with a grammar-constrained row (structured output) keep a cost table of their own:
+a drafting step of theirs waits for the host's tree masks between draft and verify, so it costs more than
+the same shape free.
 
 Corrections keep the choice honest. A position never drafted takes the rate of the one before it
 (`effective_acceptance`), not the prior, and a batch with more drafting rows than the engine has
@@ -305,14 +305,11 @@ class DepthPolicy:
         if not rows or not shape.drafts:
             return  # nothing drafted, nothing observed
         self._repeatable.clear()
-        sampled = self.sampled
-        if sampled:
-            for cls in (False, True):
-                part = [row for row in rows if (row[0] in sampled) == cls]
-                if part:
-                    self._observe_class(self.rates_by_class[cls], shape, part)
-        else:
-            self._observe_class(self.rates_by_class[False], shape, rows)
+        by_class: dict[bool, list] = {}
+        for row in rows:
+            by_class.setdefault(row[0] in self.sampled, []).append(row)
+        for sampled, part in by_class.items():
+            self._observe_class(self.rates_by_class[sampled], shape, part)
 
     def _observe_class(self, cls: _ClassRates, shape: DraftShape, rows) -> None:
         """`observe_step` for rows [(request id, accept length)] of one sampling class."""
