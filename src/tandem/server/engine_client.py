@@ -2,8 +2,10 @@
 sends it requests and aborts, and routes each token delta to the queue of the HTTP request waiting
 for it. `replicas.ReplicaSet` holds one per data-parallel replica and picks where a request goes.
 
-Sends go through a plain (blocking) PUSH socket with no high-water mark, so `abort` is an ordinary
-call: it has to run in `finally:` blocks of cancelled tasks, where awaiting is not possible.
+Sends go through a plain PUSH socket with no high-water mark, so `abort` is an ordinary call: it has
+to run in `finally:` blocks of cancelled tasks, where awaiting is not possible. They never block: a
+PUSH socket whose peer is gone has nowhere to queue a message, and a blocking send there would stop
+the event loop (every replica's streams, /health, the watchdog) for good. See `_send`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from tandem.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.25  # how soon a dead engine core is noticed
+# How long a send may wait for a live core's input socket (it is connected long before the core says
+# it is ready, so a wait means the core has closed it): past this the core is failed.
+SEND_WAIT_S = 2.0
 
 
 class EngineDead(Exception):
@@ -79,8 +84,11 @@ class EngineClient:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self.process.is_alive() and self._push is not None:
-            self._push.send(ipc.encode(ipc.Shutdown()))
+        if self.process.is_alive() and self._push is not None and self.dead_reason is None:
+            try:
+                self._send(ipc.encode(ipc.Shutdown()))
+            except EngineDead:
+                pass  # gone already: nothing to ask
         await asyncio.to_thread(self.process.stop)
         self._close_sockets()
 
@@ -125,16 +133,39 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDead(self.dead_reason)
         message = ipc.encode(ipc.AddRequest(request_id, prompt_token_ids, params))  # may raise: count nothing yet
+        self._send(message)  # may raise EngineDead: nothing booked
         self._queues[request_id] = queue
         self._unstarted[request_id] = len(prompt_token_ids)
-        self._push.send(message)
 
     def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
         for rid in live:
             self._unstarted.pop(rid, None)
         if live and self.dead_reason is None:
-            self._push.send(ipc.encode(ipc.AbortRequest(live)))
+            try:
+                self._send(ipc.encode(ipc.AbortRequest(live)))
+            except EngineDead:
+                pass  # the core is gone and its requests with it; `_fail` has told their waiters
+
+    def _send(self, message: bytes) -> None:
+        """Sends to the core without blocking on a dead one. The socket refuses a message only when
+        no peer is connected (no high-water mark): then a core whose process has exited is failed
+        at once, and a live one gets `SEND_WAIT_S` to reconnect before it is failed too. Raises
+        EngineDead in both cases."""
+        deadline = time.monotonic() + SEND_WAIT_S
+        while True:
+            try:
+                self._push.send(message, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if not self.process.is_alive():
+                self._fail(self._exit_reason())
+            elif time.monotonic() > deadline:
+                self._fail(f"{self.name} stopped reading requests")
+            if self.dead_reason is not None:
+                raise EngineDead(self.dead_reason)
+            self._push.poll(10, zmq.POLLOUT)
 
     # ---- background tasks ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -174,7 +205,10 @@ class EngineClient:
         while self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.process.is_alive():
-                self._fail(f"{self.name} process exited (exit code {self.process.exitcode})")
+                self._fail(self._exit_reason())
+
+    def _exit_reason(self) -> str:
+        return f"{self.name} process exited (exit code {self.process.exitcode})"
 
     def _fail(self, reason: str) -> None:
         if self.dead_reason is not None:
