@@ -463,8 +463,10 @@ def test_the_engines_rates_move_once_a_step_by_the_steps_own_rates():
 
 def test_a_requests_own_rate_at_a_position_counts_once_it_has_enough_observations_there():
     """A request with 20 chains of one accepted and 3 chains of three rejected at position 3: its own
-    rate at position 1 decides (20 + observations), the engine's (0.6) at positions 2 and 3 (3 each,
-    fewer than min_request_obs = 8), not its own near-0.3 rate at position 3 from three rejections."""
+    rate at position 1 decides (20 + observations); at positions 2 and 3 (3 observations each, fewer than
+    min_request_obs = 8) the engine's 0.6 as far as the request's own one-sided 95% Wilson interval allows:
+    at position 2 (3 hits of 3: at least 3 / (3 + z^2) = 0.53) 0.6 itself, at position 3 (0 of 3: at most
+    z^2 / (3 + z^2) = 0.47) 0.47, not its own near-0.3 running rate from three rejections."""
     p = DepthPolicy(D, tree=False, min_request_obs=8)
     set_acceptance(p, [0.6] * 3)
     for _ in range(20):
@@ -474,8 +476,39 @@ def test_a_requests_own_rate_at_a_position_counts_once_it_has_enough_observation
     own = p._requests["r"]
     assert own.seen == [23, 3, 3] and own.rates[2] < 0.35
     set_acceptance(p, [0.6] * 3)  # the engine's, as if measured over many others
-    a1 = own.rates[0]
-    assert p.expected_tokens(["r"], DraftShape(3)) == pytest.approx(1 + a1 + a1 * 0.6 + a1 * 0.36)
+    a1, z2 = own.rates[0], 1.64 ** 2
+    a3 = z2 / (3 + z2)
+    assert p.expected_tokens(["r"], DraftShape(3)) == pytest.approx(1 + a1 + a1 * 0.6 + a1 * 0.6 * a3)
+
+
+def test_a_requests_own_evidence_moves_its_class_rate_before_it_has_enough_history():
+    """The demo pair on a CPU at batch 1: depth 0 12.2 ms, chains of 1, 2, 3 17.0, 20.5, 22.5 ms; the
+    greedy class accepts 0.7 at every position. A request that accepts nothing: after n rejections of
+    position 1 its rate there is at most z^2 / (n + z^2) (z = 1.64: 0.73, 0.57, 0.47, 0.40, 0.35), deeper
+    positions keep the class's 0.7 (never tried). Chain of 3 after n: (1 + a (1 + 0.7 + 0.49)) / 22.5 per
+    ms = 0.1123, 0.1003, 0.0904, 0.0836, 0.0785 against depth 0's 1 / 12.2 = 0.0820 (the chains of 1 and
+    2 lose to it throughout): five chains of three, then depth 0 (the class's rate until eight
+    drafting steps: eight). And a request that accepts everything under a class rate of 0.2 (depth 0 1.0
+    ms, chains 1.3, 1.5, 1.7): after three full chains each position is at least 3 / (3 + z^2) = 0.527,
+    so a chain of two yields (1 + 0.527 + 0.278) / 1.5 = 1.20 tokens a ms (of one 1.17, of three 1.15)
+    against depth 0's 1 (at the class's 0.2 the best chain, of one, 0.92)."""
+    p = policy_with_costs({1: [12.2, 17.0, 20.5, 22.5]}, probe_every=10**9)
+    set_acceptance(p, [0.7] * 3)
+    chosen = []
+    for _ in range(10):
+        shape = p.choose(["r"], 1)
+        chosen.append(shape.depth)
+        if shape.drafts:
+            p.observe_accept("r", shape, 1)
+    assert chosen == [3] * 5 + [0] * 5, chosen
+
+    p = policy_with_costs({1: [1.0, 1.3, 1.5, 1.7]}, probe_every=10**9)
+    set_acceptance(p, [0.2] * 3)
+    assert p.choose(["r"], 1) == DraftShape(0)
+    for _ in range(3):
+        p.observe_accept("r", DraftShape(3), 4)
+    assert p.expected_tokens(["r"], DraftShape(3)) == pytest.approx(1 + 0.527 + 0.527 ** 2 + 0.527 ** 3, abs=2e-3)
+    assert p.choose(["r"], 1) == DraftShape(2)
 
 
 def test_a_drained_batch_drafts_for_the_rows_that_end_last():
