@@ -123,12 +123,14 @@ OUTLIER_RATIO = 1.25
 
 @dataclass
 class _RequestRates:
-    """One request's acceptance: its a_1..a_D, the observations behind each and the hits among them, its
-    drafting steps, and its expected tokens at depth 0..D (None once a new observation made them stale)."""
+    """One request's acceptance: its a_1..a_D, the observations behind each and the hits among them, by
+    position whether its own evidence there excluded its class's rate when last observed (REQUEST_EVIDENCE_Z),
+    its drafting steps, and its expected tokens at depth 0..D (None once a new observation made them stale)."""
 
     rates: list[float]
     seen: list[int]
     hits: list[int]
+    outside: list[bool]
     drafting_steps: int = 0
     expected: list[float] | None = None
 
@@ -268,6 +270,10 @@ class DepthPolicy:
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
         self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
+        # [tries][hits] -> a request's own interval at REQUEST_EVIDENCE_Z, for tries under min_request_obs (a
+        # table: it is read for every request and position a drafting step observes)
+        self._intervals = [[wilson_interval(h, n, REQUEST_EVIDENCE_Z) for h in range(n + 1)]
+                           for n in range(min_request_obs)]
         self._draft_prefill = PrefillCost()  # what a prompt token adds to the draft's prefill
         self._admitted = 0
 
@@ -346,11 +352,13 @@ class DepthPolicy:
         # weighted as the engine's are (a slow moving average from the start kept the prior for dozens of
         # steps, and a request that never accepted a draft kept drafting).
         decay, own_offset = self.decay, 1 + self.prior_weight  # (inlined: this runs per request per step)
+        enough, intervals = self.min_request_obs, self._intervals
         for rid, accept_len in rows:
             req = self._requests.get(rid)
             if req is None:
-                req = self._requests[rid] = _RequestRates(list(assumed), [0] * self.num_steps, [0] * self.num_steps)
-            own, own_seen, own_hits = req.rates, req.seen, req.hits
+                d = self.num_steps
+                req = self._requests[rid] = _RequestRates(list(assumed), [0] * d, [0] * d, [False] * d)
+            own, own_seen, own_hits, outside = req.rates, req.seen, req.hits, req.outside
             # Positions 1..accept_len-1 were accepted; position accept_len was tried and rejected (if drafted).
             for j in range(min(accept_len, depth)):
                 if own_seen[j] == 0:
@@ -361,6 +369,9 @@ class DepthPolicy:
                 own_hits[j] += hit
                 own[j] += max(decay, 1.0 / (own_seen[j] + own_offset)) * (hit - own[j])
                 own_seen[j] += 1
+                if own_seen[j] < enough:  # (its own rate does not count yet: does its evidence move its class's?)
+                    low, high = intervals[own_seen[j]][own_hits[j]]
+                    outside[j] = not low <= assumed[j] <= high
             req.drafting_steps += 1
             req.expected = None
         for j in range(depth):
@@ -559,8 +570,8 @@ class DepthPolicy:
         if request_id in self.dormant:
             return self._accept_nothing
         req = self._requests.get(request_id)
-        if req is None:
-            cls = self._class_of(request_id)
+        if req is None or (req.drafting_steps < self.min_request_obs and True not in req.outside):
+            cls = self._class_of(request_id)  # (the usual case, and the cheap one: the class's, cached there)
             if cls.expected is None:
                 cls.expected = expected_by_depth(cls.effective())
             return cls.expected
@@ -571,8 +582,8 @@ class DepthPolicy:
                 if n >= enough:
                     rates.append(own)
                 else:  # too few observations to go by its own rate: its class's, as far as its own allow
-                    low, high = wilson_interval(h, n, REQUEST_EVIDENCE_Z)
-                    rates.append(min(max(e, low), high))
+                    low, high = self._intervals[n][h]  # (n < min_request_obs here)
+                    rates.append(low if e < low else high if e > high else e)
             req.expected = expected_by_depth(rates)
         return req.expected
 
