@@ -7,7 +7,8 @@ Builds, in one process and in this order, two plain engines and two speculative 
 speed lands on all alike) and reports each engine's median decode iteration and its median ratio to the
 first-built engine's, round by round. With identical work every ratio would be 1.
 
-OMP_NUM_THREADS=1 PYTHONPATH=src python bench/engine_instance_spread.py --out bench/results/engine_instance_spread_cpu.json
+OMP_NUM_THREADS=1 PYTHONPATH=src python bench/engine_instance_spread.py \
+    --out bench/results/engine_instance_spread_cpu.json
 """
 
 import argparse

@@ -7,7 +7,8 @@ against another revision's `src` (each in its own process, taking turns), and re
 --trials per revision and batch size (the machine's noise is one-sided).
 
 git archive REV src | tar -x -C /tmp/old
-python bench/policy_host_cost.py --other-src /tmp/old/src --other-label REV --out bench/results/policy_host_cost_cpu.json
+python bench/policy_host_cost.py --other-src /tmp/old/src --other-label REV \
+    --out bench/results/policy_host_cost_cpu.json
 """
 
 import argparse
