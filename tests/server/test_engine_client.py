@@ -79,6 +79,12 @@ def test_a_send_to_a_killed_core_fails_its_requests_at_once(tmp_path):
         os.kill(client.process.pid, signal.SIGKILL)
         client.process.process.join(10)
         assert not client.process.is_alive()
+        # ZMQ drops the dead peer on its own thread, a moment later (a send before that is queued and
+        # lost, and the watchdog fails the request): wait until the socket has no peer.
+        deadline = time.monotonic() + 10
+        while client._push.poll(0, zmq.POLLOUT):
+            assert time.monotonic() < deadline, "the dead peer was never dropped"
+            time.sleep(0.01)
         started = time.monotonic()
         with pytest.raises(EngineDead, match="replica 0 engine core process exited"):
             add(client, "b", asyncio.Queue())
