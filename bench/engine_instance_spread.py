@@ -20,22 +20,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
-from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
+from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
 
 
 def dormant_engine(target: str, head: str, **kw) -> Engine:
     """A speculative engine whose every request is admitted dormant (plain decoding's step)."""
     engine = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, **kw)
-    policy = engine.runner.spec.policy
-    admit = policy.admit
-
-    def dormant_admit(request_id, *args, **kwargs):
-        admit(request_id, *args, **kwargs)
-        policy.dormant.add(request_id)
-        return True
-
-    policy.admit = dormant_admit
+    admit_every_request_dormant(engine)
     return engine
 
 

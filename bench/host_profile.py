@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
-from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
+from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
 from tandem.engine.engine import Engine as EngineClass  # noqa: E402
 from tandem.runtime import model_runner, streams  # noqa: E402
@@ -82,17 +82,6 @@ def plain_wait(timers: Timers):
     model_runner.ModelRunner._collect_plain = collect
 
 
-def all_dormant(engine) -> None:
-    """Every request admitted dormant (no draft prefill, no catch-ups): the depth-0 path's floor."""
-    policy = engine.runner.spec.policy
-
-    def admit(request_id, padded_batch, *_, **__):
-        policy.dormant.add(request_id)
-        return True
-
-    policy.admit = admit
-
-
 def graph_replay_ms(engines, sizes, temperature: float) -> dict:
     """Per batch size: the replay time of plain decoding's graph, speculation's depth-0 and deepest
     whole-iteration graphs and the dormant-decode graph (the sampling kind of the run). Timed first, while
@@ -145,7 +134,7 @@ def main() -> None:
         timers.wrap(cls, name, label)
     plain_wait(timers)
     engines = {name: Engine(**config) for name, config in configs.items()}
-    all_dormant(engines["dormant"])
+    admit_every_request_dormant(engines["dormant"])
     replays = graph_replay_ms(engines, ns.batch_sizes, ns.temperature)
     vocab = engines["plain"].arch.vocab_size
     result = {"tool": "bench/host_profile.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),

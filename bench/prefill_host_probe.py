@@ -26,20 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine, SamplingParams  # noqa: E402
 from tandem.bench import presets, synthetic  # noqa: E402
-from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
-
-
-def all_dormant(engine) -> None:
-    """Every request admitted dormant, whatever the policy would say (what acceptance 0 settles to)."""
-    policy = engine.runner.spec.policy
-    admit = policy.admit
-
-    def dormant_admit(request_id, *args, **kwargs):
-        admit(request_id, *args, **kwargs)
-        policy.dormant.add(request_id)
-        return True
-
-    policy.admit = dormant_admit
+from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
 
 
 def prefill_calls(engine, prompt: list[int]) -> int:
@@ -71,7 +58,7 @@ def main() -> None:
                "plain": Engine(target, **kw)}
     spec = engines["speculative, dormant"]
     synthetic.install(spec, 0.0)
-    all_dormant(spec)
+    admit_every_request_dormant(spec)  # what acceptance 0 settles to
     vocab = spec.arch.vocab_size
     for engine in engines.values():  # warm-up
         for _ in range(5):

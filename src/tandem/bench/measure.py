@@ -10,6 +10,22 @@ import torch
 from tandem.request import SamplingParams
 
 
+def admit_every_request_dormant(engine) -> None:
+    """BENCHMARK ONLY: the speculative `engine`'s policy admits every request dormant (no draft prefill, no
+    catch-ups; a batch of them runs plain decoding's step), whatever it would decide: the floor of the depth-0
+    path, and what acceptance 0 settles to. The policy's own admission runs first, for its bookkeeping."""
+    policy = engine.runner.spec.policy
+    admit = policy.admit
+
+    def dormant_admit(request_id, *args, **kwargs):
+        admit(request_id, *args, **kwargs)
+        policy.sentinels.discard(request_id)  # (no request keeps its draft, not even a sentinel)
+        policy.dormant.add(request_id)
+        return True
+
+    policy.admit = dormant_admit
+
+
 def random_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """A different random prompt per request (one repeated prompt would flatter caches and drafts).
     Keyed by (seed, batch), so spec on, spec off and transformers see the same prompts."""
