@@ -677,3 +677,29 @@ def test_the_prefill_charge_is_what_a_prompt_token_adds_not_a_calls_fixed_part()
     assert p.draft_prefill_ms_per_token == pytest.approx(0.1 / 896, rel=1e-6)
     assert p.prefill_share_ms(32, 128, 96) == pytest.approx(32 * 128 * (0.1 / 896) / 96, rel=1e-6)
     assert not p.admit("keeps its draft", 32, prompt_tokens=128, max_new_tokens=96)
+
+
+def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_up_timing():
+    """The H200 case worked out (demo pair, batch 8): a chain of one costs 0.514 ms and position 1 is
+    accepted about 20% of the time (1.2 / 0.514 = 2.3 tokens a ms); dormant steps timed 0.1 ms at
+    start-up but 0.5 ms online in a slow stretch (2.0 a ms), so drafts are kept. After DORMANT_STALE_STEPS policy
+    steps there without a dormant step, the dormant step counts at 0.1 ms (10 a ms): the batch is demoted
+    and new requests are admitted dormant; one fresh online timing (0.49 ms, 2.03 a ms) decides again."""
+    from tandem.speculative.policy import DORMANT_STALE_STEPS
+
+    p = policy_with_costs({8: [0.52, 0.514, 0.553, 0.622]}, probe_every=10**9)
+    p.observe_dormant_time(8, 0.1, weight=1.0)
+    for _ in range(400):
+        p.observe_dormant_time(8, 0.5)
+    assert p.dormant_cost_ms[8] == pytest.approx(0.5, abs=1e-3)
+    teach(p, [0.18, 0.0, 0.0], steps=400)
+    assert 0.15 < p.acceptance[0] < 0.25  # (a moving average: 0.22 at the end of this sequence)
+    rows = [f"r{i}" for i in range(8)]
+    for _ in range(DORMANT_STALE_STEPS - 1):
+        p.choose(rows, 8)
+    assert p.demote(rows, 8) == [] and not p.admit("early", 8)
+    p.choose(rows, 8)
+    assert p.demote(rows, 8) == rows and p.admit("late", 8)
+    p.observe_dormant_time(8, 0.33)
+    assert p.dormant_cost_ms[8] == pytest.approx(0.4915, abs=1e-3)
+    assert not p.admit("after", 8)

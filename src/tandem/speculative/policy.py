@@ -105,6 +105,17 @@ DORMANT_SETTLED_STEPS = 64
 REFRESH_EVERY = 128
 REFRESH_MARGIN = 0.05
 REFRESH_WEIGHT = 0.5
+# A dormant step's cost is corrected only by dormant steps, and none runs at a batch size while its rows
+# draft (dropping drafts is for good, so it cannot be re-run the way an option's cost is refreshed). A
+# value learned in a slow stretch of the host then decides for as long as that size drafts: on an H200 the
+# demo pair's dormant steps at batch 8 ran 0.51 ms in one slow run (plain decoding's step 0.33 ms in the
+# runs after), and the next runs at temperature 1 kept their drafts and drafted chains of one at a_1 =
+# 0.18 (0.5 ms a step: 0.70x plain). After DORMANT_STALE_STEPS of the policy's steps at a batch size
+# without a dormant step there, the dormant step counts at no more than its start-up timing (the replay
+# of its graph: the device work it does for sure). A batch whose drafting cannot beat that is demoted,
+# and its dormant steps then time the cost afresh. Where the device bounds the step (the 8B shape on an
+# H200) the start-up timing is close to the online cost and little changes.
+DORMANT_STALE_STEPS = REFRESH_EVERY
 # After a depth-0 choice, the same batch (the same requests, no observation since) gets depth 0 again for
 # this many steps without the full pass (`repeat_depth0`), unless a probe or refresh falls due. The pass
 # took 139 us a step at batch 32 on an H200's host (a tenth of the demo pair's host-bound step), mostly for
@@ -270,6 +281,8 @@ class DepthPolicy:
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
         self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
+        self._dormant_startup_ms: dict[int, float] = {}  # padded batch -> its start-up timing (graph replay)
+        self._dormant_timed_at: dict[int, int] = {}  # padded batch -> its step count at the last online timing
         # [tries][hits] -> a request's own interval at REQUEST_EVIDENCE_Z, for tries under min_request_obs (a
         # table: it is read for every request and position a drafting step observes)
         self._intervals = [[wilson_interval(h, n, REQUEST_EVIDENCE_Z) for h in range(n + 1)]
@@ -529,7 +542,7 @@ class DepthPolicy:
         expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance(sampled))
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = cls.tree_tokens * expected[-1] / as_estimated[-1]
-        dormant_step = self.dormant_cost_ms.get(padded_batch, costs[self.options[0]])
+        dormant_step = self.dormant_step_ms(padded_batch, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
         return best_drafting < 1.0 / max(dormant_step - upkeep_ms, 1e-6)
@@ -538,10 +551,27 @@ class DepthPolicy:
         """A step of dormant rows alone (plain decoding's step): its time, kept as the options' are (start-up
         timing with `weight`; online, a moving average clipped at OUTLIER_RATIO)."""
         old = self.dormant_cost_ms.get(padded_batch)
+        if weight is not None:
+            self._dormant_startup_ms[padded_batch] = ms
+        else:
+            self._dormant_timed_at[padded_batch] = self._steps.get(padded_batch, 0)
         if old is None or weight is not None:
             self.dormant_cost_ms[padded_batch] = ms if old is None else old + weight * (ms - old)
             return
         self.dormant_cost_ms[padded_batch] = old + self.decay * (min(ms, OUTLIER_RATIO * old) - old)
+
+    def dormant_step_ms(self, padded_batch: int, untimed: float) -> float:
+        """What a step of dormant rows alone costs at this batch as the choice counts it: its timing, at no
+        more than its start-up timing once DORMANT_STALE_STEPS of the policy's steps passed there since it
+        was last timed online (see DORMANT_STALE_STEPS); `untimed` where it was never timed."""
+        ms = self.dormant_cost_ms.get(padded_batch)
+        if ms is None:
+            return untimed
+        startup, timed_at = self._dormant_startup_ms.get(padded_batch), self._dormant_timed_at.get(padded_batch)
+        if startup is not None and timed_at is not None \
+                and self._steps.get(padded_batch, 0) - timed_at >= DORMANT_STALE_STEPS:
+            return min(ms, startup)
+        return ms
 
     def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
