@@ -108,9 +108,9 @@ REFRESH_WEIGHT = 0.5
 # A dormant step's cost is corrected only by dormant steps, and none runs at a batch size while its rows
 # draft (dropping drafts is for good, so it cannot be re-run the way an option's cost is refreshed). A
 # value learned in a slow stretch of the host then decides for as long as that size drafts: on an H200 the
-# demo pair's dormant steps at batch 8 ran 0.51 ms in one slow run (plain decoding's step 0.33 ms in the
-# runs after), and the next runs at temperature 1 kept their drafts and drafted chains of one at a_1 =
-# 0.18 (0.5 ms a step: 0.70x plain). After DORMANT_STALE_STEPS of the policy's steps at a batch size
+# demo pair's dormant steps at batch 8 ran 0.51 ms in one slow run, and the runs at temperature 1 that
+# followed kept their drafts and drafted chains of one at a_1 = 0.16-0.18 (0.5 ms a step, where plain
+# decoding's took 0.33 ms: 0.70x plain). After DORMANT_STALE_STEPS of the policy's steps at a batch size
 # without a dormant step there, the dormant step counts at no more than its start-up timing (the replay
 # of its graph: the device work it does for sure). A batch whose drafting cannot beat that is demoted,
 # and its dormant steps then time the cost afresh. Where the device bounds the step (the 8B shape on an
