@@ -703,3 +703,17 @@ def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_u
     p.observe_dormant_time(8, 0.33)
     assert p.dormant_cost_ms[8] == pytest.approx(0.4915, abs=1e-3)
     assert not p.admit("after", 8)
+
+
+def test_a_dormant_steps_first_online_timing_is_replaced_where_nothing_was_timed_at_start_up():
+    """Where nothing was timed at start-up (a CPU), the dormant step's first online time is its warm-up (40
+    ms): the second (12) replaces it, then the mean of the steps so far (12.25, then 12.0). Where the start-up
+    timing exists, online steps move it by the moving average alone, clipped at OUTLIER_RATIO (0.1 ms, then
+    0.5 online: 0.1 + 0.05 * (0.125 - 0.1))."""
+    p = policy_with_costs({1: [10.0, 20.0, 25.0, 26.0]})
+    for ms, expected in ((40.0, 40.0), (12.0, 12.0), (12.5, 12.25), (11.5, 12.0)):
+        p.observe_dormant_time(1, ms)
+        assert p.dormant_cost_ms[1] == pytest.approx(expected)
+    p.observe_dormant_time(8, 0.1, weight=1.0)
+    p.observe_dormant_time(8, 0.5)
+    assert p.dormant_cost_ms[8] == pytest.approx(0.10125)

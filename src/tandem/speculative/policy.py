@@ -283,6 +283,7 @@ class DepthPolicy:
         self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
         self._dormant_startup_ms: dict[int, float] = {}  # padded batch -> its start-up timing (graph replay)
         self._dormant_timed_at: dict[int, int] = {}  # padded batch -> its step count at the last online timing
+        self._dormant_timed: dict[int, int] = {}  # padded batch -> online timings so far
         # [tries][hits] -> a request's own interval at REQUEST_EVIDENCE_Z, for tries under min_request_obs (a
         # table: it is read for every request and position a drafting step observes)
         self._intervals = [[wilson_interval(h, n, REQUEST_EVIDENCE_Z) for h in range(n + 1)]
@@ -549,16 +550,24 @@ class DepthPolicy:
 
     def observe_dormant_time(self, padded_batch: int, ms: float, weight: float | None = None) -> None:
         """A step of dormant rows alone (plain decoding's step): its time, kept as the options' are (start-up
-        timing with `weight`; online, a moving average clipped at OUTLIER_RATIO)."""
+        timing with `weight`; online, a moving average clipped at OUTLIER_RATIO). Where nothing was timed at
+        start-up (a CPU, a batch size without graphs) the first online step is often its warm-up, as an
+        option's is (`observe_time`): the second replaces it, then a mean of the steps so far until the
+        moving average weighs more. (Taken as it came, one warm-up step on a CPU left a batch-1 dormant
+        step at 14.3 ms, where plain decoding's took 12: drafting then looked worth keeping.)"""
         old = self.dormant_cost_ms.get(padded_batch)
         if weight is not None:
             self._dormant_startup_ms[padded_batch] = ms
-        else:
-            self._dormant_timed_at[padded_batch] = self._steps.get(padded_batch, 0)
-        if old is None or weight is not None:
             self.dormant_cost_ms[padded_batch] = ms if old is None else old + weight * (ms - old)
             return
-        self.dormant_cost_ms[padded_batch] = old + self.decay * (min(ms, OUTLIER_RATIO * old) - old)
+        self._dormant_timed_at[padded_batch] = self._steps.get(padded_batch, 0)
+        count = self._dormant_timed.get(padded_batch, 0)  # online steps before this one
+        self._dormant_timed[padded_batch] = count + 1
+        if old is None or (count < 2 and padded_batch not in self._dormant_startup_ms):
+            self.dormant_cost_ms[padded_batch] = ms
+            return
+        w = self.decay if padded_batch in self._dormant_startup_ms else max(self.decay, 1.0 / count)
+        self.dormant_cost_ms[padded_batch] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
 
     def dormant_step_ms(self, padded_batch: int, untimed: float) -> float:
         """What a step of dormant rows alone costs at this batch as the choice counts it: its timing, at no
