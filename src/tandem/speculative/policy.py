@@ -563,10 +563,13 @@ class DepthPolicy:
         self._dormant_timed_at[padded_batch] = self._steps.get(padded_batch, 0)
         count = self._dormant_timed.get(padded_batch, 0)  # online steps before this one
         self._dormant_timed[padded_batch] = count + 1
-        if old is None or (count < 2 and padded_batch not in self._dormant_startup_ms):
+        if padded_batch in self._dormant_startup_ms:
+            w = self.decay
+        elif old is None or count < 2:  # (its warm-up, then the step that replaces it)
             self.dormant_cost_ms[padded_batch] = ms
             return
-        w = self.decay if padded_batch in self._dormant_startup_ms else max(self.decay, 1.0 / count)
+        else:
+            w = max(self.decay, 1.0 / count)
         self.dormant_cost_ms[padded_batch] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
 
     def dormant_step_ms(self, padded_batch: int, untimed: float) -> float:
