@@ -717,3 +717,41 @@ def test_a_dormant_steps_first_online_timing_is_replaced_where_nothing_was_timed
     p.observe_dormant_time(8, 0.1, weight=1.0)
     p.observe_dormant_time(8, 0.5)
     assert p.dormant_cost_ms[8] == pytest.approx(0.10125)
+
+
+def test_a_dormant_step_timed_only_at_start_up_moves_with_depth_0s_online_cost():
+    """The H200 case worked out (demo pair, greedy, batch 32, every batch holding a sentinel, so no dormant
+    step runs online): graph replays put depth 0 at 0.22 ms and a dormant step at 0.2, but the host-bound
+    online steps take 0.6 / 0.7 / 0.8 / 0.9 ms at depth 0..3. At a = 0.8 a chain of three yields 2.952
+    tokens (3.28 a ms). Against the replay (5 a ms) drafting would never pay; the dormant step counts at
+    0.2 * 0.6 / 0.22 = 0.545 ms (1.83 a ms), so the request keeps its draft. Its first online timing (0.55)
+    moves that estimate, not the replay, by the moving average."""
+    p = policy_with_costs({32: [0.22, 0.30, 0.38, 0.46]}, probe_every=10**9)
+    p.observe_dormant_time(32, 0.2, weight=1.0)
+    for _ in range(400):
+        for shape, ms in zip(p.options, (0.6, 0.7, 0.8, 0.9)):
+            p.observe_time(32, shape, ms)
+    assert [p.cost_ms[(32, s)] for s in p.options] == pytest.approx([0.6, 0.7, 0.8, 0.9], abs=1e-3)
+    set_acceptance(p, [0.8, 0.8, 0.8])
+    assert p.dormant_step_ms(32, untimed=0.0) == pytest.approx(0.2 * 0.6 / 0.22, rel=1e-3)
+    assert not p.admit("keeps its draft", 32)
+    p.observe_dormant_time(32, 0.55)
+    assert p.dormant_cost_ms[32] == pytest.approx(0.5454 + 0.05 * (0.55 - 0.5454), abs=1e-3)
+    assert not p.admit("still keeps it", 32)
+
+
+def test_a_dormant_step_counts_at_no_more_than_a_depth_0_step():
+    """The CPU case (nothing timed at start-up, batch 1): depth 0..3 cost 6.0 / 11.6 / 13.9 / 15.3 ms online,
+    and one slow run left the dormant step at 7.1 ms. At a = 0.7, 0.64, 0.66 the best drafting option is the
+    chain of three, 2.4437 tokens in 15.3 ms (0.1597 a ms): more than a 7.1 ms dormant step's 0.1408, less
+    than a depth-0 step's 0.1667. A dormant step does a subset of a depth-0 step's work, so it counts at 6.0
+    ms: the request is admitted dormant."""
+    p = DepthPolicy(D, tree=False, probe_every=10**9)
+    for _ in range(3):  # (the first online timing is a warm-up, replaced by the second)
+        for shape, ms in zip(p.options, (6.0, 11.6, 13.9, 15.3)):
+            p.observe_time(1, shape, ms)
+        p.observe_dormant_time(1, 7.1)
+    assert p.dormant_cost_ms[1] == pytest.approx(7.1)
+    set_acceptance(p, [0.7, 0.64, 0.66])
+    assert p.dormant_step_ms(1, untimed=0.0) == pytest.approx(6.0)
+    assert p.admit("dormant", 1)

@@ -116,6 +116,13 @@ REFRESH_WEIGHT = 0.5
 # and its dormant steps then time the cost afresh. Where the device bounds the step (the 8B shape on an
 # H200) the start-up timing is close to the online cost and little changes.
 DORMANT_STALE_STEPS = REFRESH_EVERY
+# A dormant step timed at start-up (its graph replay) but never online counts at that timing scaled by what
+# depth 0's online cost is to depth 0's start-up timing: online steps carry the host's work, which a replay
+# does not. On an H200 the demo pair's batches of 32 always hold a sentinel, so no dormant step ever ran
+# there: its 0.2 ms replay stood against host-bound steps of about 0.6 ms, and greedy requests that accept
+# 2.5 tokens a chain of three ran dormant (1.03x plain where fixed depth ran 1.52x). And a dormant step never
+# counts above a depth-0 step (a subset of its work): on a CPU one slow run left a batch-1 dormant step at
+# 7.1 ms against depth 0's 6.0, and the next request kept its draft for a whole run (0.91x plain).
 # After a depth-0 choice, the same batch (the same requests, no observation since) gets depth 0 again for
 # this many steps without the full pass (`repeat_depth0`), unless a probe or refresh falls due. The pass
 # took 139 us a step at batch 32 on an H200's host (a tenth of the demo pair's host-bound step), mostly for
@@ -264,6 +271,7 @@ class DepthPolicy:
         self._requests: dict[str, _RequestRates] = {}
         self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
         self._time_seen: dict[tuple[int, DraftShape], int] = {}  # observations behind each cost
+        self._startup_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> its start-up timing
         self._last_choice: dict[int, DraftShape] = {}
         # (padded batch table) -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
         self.catch_up_per_step_ms: dict = {}
@@ -412,7 +420,7 @@ class DepthPolicy:
         old = self.cost_ms.get(key)
         count = self._time_seen.get(key, 0)
         if weight is not None:
-            self.cost_ms[key] = ms if old is None else old + weight * (ms - old)
+            self.cost_ms[key] = self._startup_ms[key] = ms if old is None else old + weight * (ms - old)
             self._time_seen[key] = max(count, TRUSTED_OBSERVATIONS)
             return
         if count >= 2:
@@ -529,7 +537,7 @@ class DepthPolicy:
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
         observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
         DORMANT_SETTLED_STEPS steps, at the rates as estimated. A dormant row's step costs
-        what a batch of dormant rows costs (plain decoding's step), depth 0's until such steps were timed.
+        what a batch of dormant rows costs (plain decoding's step, `dormant_step_ms`).
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
         (`sampled`)."""
@@ -564,6 +572,8 @@ class DepthPolicy:
         count = self._dormant_timed.get(padded_batch, 0)  # online steps before this one
         self._dormant_timed[padded_batch] = count + 1
         if padded_batch in self._dormant_startup_ms:
+            if count == 0:  # (the moving average starts from what the choice counted so far)
+                old = self._scaled_startup_dormant_ms(padded_batch)
             w = self.decay
         elif old is None or count < 2:  # (its warm-up, then the step that replaces it)
             self.dormant_cost_ms[padded_batch] = ms
@@ -573,17 +583,29 @@ class DepthPolicy:
         self.dormant_cost_ms[padded_batch] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
 
     def dormant_step_ms(self, padded_batch: int, untimed: float) -> float:
-        """What a step of dormant rows alone costs at this batch as the choice counts it: its timing, at no
-        more than its start-up timing once DORMANT_STALE_STEPS of the policy's steps passed there since it
-        was last timed online (see DORMANT_STALE_STEPS); `untimed` where it was never timed."""
+        """What a step of dormant rows alone costs at this batch as the choice counts it, at no more than a
+        depth-0 step's cost there (it does a subset of that step's work: no draft features kept, nothing
+        deferred). Its online timing, at no more than its start-up timing once DORMANT_STALE_STEPS of the
+        policy's steps passed there since it was last timed online (see DORMANT_STALE_STEPS); never timed
+        online, its start-up timing scaled as depth 0's online cost has moved from depth 0's own start-up
+        timing (the note after DORMANT_STALE_STEPS); `untimed` where it was never timed at all."""
+        depth0 = self.cost_ms.get((padded_batch, self.options[0]))
         ms = self.dormant_cost_ms.get(padded_batch)
-        if ms is None:
-            return untimed
         startup, timed_at = self._dormant_startup_ms.get(padded_batch), self._dormant_timed_at.get(padded_batch)
-        if startup is not None and timed_at is not None \
-                and self._steps.get(padded_batch, 0) - timed_at >= DORMANT_STALE_STEPS:
-            return min(ms, startup)
-        return ms
+        if ms is None:
+            ms = untimed
+        elif timed_at is None:  # (start-up timing alone)
+            ms = self._scaled_startup_dormant_ms(padded_batch)
+        elif startup is not None and self._steps.get(padded_batch, 0) - timed_at >= DORMANT_STALE_STEPS:
+            ms = min(ms, startup)
+        return ms if depth0 is None else min(ms, depth0)
+
+    def _scaled_startup_dormant_ms(self, padded_batch: int) -> float:
+        """The dormant step's start-up timing times depth 0's online cost over depth 0's start-up timing (the
+        note after DORMANT_STALE_STEPS); as it is where depth 0 has no start-up timing."""
+        startup = self._dormant_startup_ms[padded_batch]
+        depth0, depth0_startup = (d.get((padded_batch, self.options[0])) for d in (self.cost_ms, self._startup_ms))
+        return startup * depth0 / depth0_startup if depth0 is not None and depth0_startup else startup
 
     def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
