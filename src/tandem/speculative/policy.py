@@ -120,7 +120,9 @@ DORMANT_STALE_STEPS = REFRESH_EVERY
 # depth 0's online cost is to depth 0's start-up timing: online steps carry the host's work, which a replay
 # does not. On an H200 the demo pair's batches of 32 always hold a sentinel, so no dormant step ever ran
 # there: its 0.2 ms replay stood against host-bound steps of about 0.6 ms, and greedy requests that accept
-# 2.5 tokens a chain of three ran dormant (1.03x plain where fixed depth ran 1.52x). And a dormant step never
+# 2.5 tokens a chain of three ran dormant (1.03x plain where fixed depth ran 1.52x). Measured with this rule
+# the same case still ran mostly undrafted (1.01x plain, fixed 1.48x): something else keeps it there, not
+# yet found; elsewhere the grid and the demo pair at T 1 kept their targets. And a dormant step never
 # counts above a depth-0 step (a subset of its work): on a CPU one slow run left a batch-1 dormant step at
 # 7.1 ms against depth 0's 6.0, and the next request kept its draft for a whole run (0.91x plain).
 # After a depth-0 choice, the same batch (the same requests, no observation since) gets depth 0 again for
