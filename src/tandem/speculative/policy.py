@@ -2,7 +2,8 @@
 
 The options are chains of depth d = 0, 1, ..., num_steps (d = 0: plain decoding's step, whose draft extend
 is deferred and caught up before the next drafting step, speculative/catch_up.py) and, when the configured
-drafting is a tree (topk > 1), that tree. For the batch about to run the policy picks the option with the most expected tokens per millisecond:
+drafting is a tree (topk > 1), that tree. For the batch about to run the policy picks the option with the most
+expected tokens per millisecond:
 
     expected tokens of a request at depth d = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_d
 
