@@ -12,28 +12,21 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-import tandem.bench.run as run  # noqa: E402
-from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
+import tandem  # noqa: E402
+from tandem.bench.measure import admit_every_request_dormant  # noqa: E402
 from tandem.cli import main  # noqa: E402
 
-plain_or_spec_engine = run._bench_engine
+Engine = tandem.Engine
 
 
-def dormant_bench_engine(cfg, mode, spec_kw, plain_kw):
-    """`run._bench_engine`, with the speculative engine's requests dormant from its warm-up on."""
-    if mode != "spec_on":
-        return plain_or_spec_engine(cfg, mode, spec_kw, plain_kw)
-    from tandem import Engine
-
-    engine = Engine(**spec_kw)
-    admit_every_request_dormant(engine)
-    if cfg.warmup:
-        for b in cfg.batch_sizes:
-            run_batch(engine, random_prompts(b, cfg.input_len, engine.arch.vocab_size, seed=10_007),
-                      min(cfg.output_len, 8), cfg.temperature, cfg.top_p, cfg.json_schema)
+def dormant_engine(*args, **kwargs):
+    """An Engine; a speculative one admits every request dormant from its first (its warm-up included)."""
+    engine = Engine(*args, **kwargs)
+    if engine.runner.spec is not None:
+        admit_every_request_dormant(engine)
     return engine
 
 
 if __name__ == "__main__":
-    run._bench_engine = dormant_bench_engine
+    tandem.Engine = dormant_engine  # (the benchmark builds its engines through `from tandem import Engine`)
     raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -606,9 +606,11 @@ class DepthPolicy:
     def _scaled_startup_dormant_ms(self, padded_batch: int) -> float:
         """The dormant step's start-up timing times depth 0's online cost over depth 0's start-up timing (the
         note after DORMANT_STALE_STEPS); as it is where depth 0 has no start-up timing."""
-        startup = self._dormant_startup_ms[padded_batch]
-        depth0, depth0_startup = (d.get((padded_batch, self.options[0])) for d in (self.cost_ms, self._startup_ms))
-        return startup * depth0 / depth0_startup if depth0 is not None and depth0_startup else startup
+        key = (padded_batch, self.options[0])
+        startup, depth0_startup = self._dormant_startup_ms[padded_batch], self._startup_ms.get(key)
+        if not depth0_startup:
+            return startup
+        return startup * self.cost_ms[key] / depth0_startup
 
     def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
