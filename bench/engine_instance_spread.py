@@ -5,7 +5,9 @@ Builds, in one process and in this order, two plain engines and two speculative 
 (the speculative ones admit every request dormant, so each step is plain decoding's step), then runs one
 64-token request at a time on each in turn (the order reversed every round, so a drift of the machine's
 speed lands on all alike) and reports each engine's median decode iteration and its median ratio to the
-first-built engine's, round by round. With identical work every ratio would be 1.
+first-built engine's, round by round. With identical work every ratio would be 1. Then the same again
+with the engines taking turns step by step, each timed on its own calls (`run_in_lockstep`, what `tandem
+bench` does on a CPU).
 
 OMP_NUM_THREADS=1 PYTHONPATH=src python bench/engine_instance_spread.py \
     --out bench/results/engine_instance_spread_cpu.json
@@ -20,7 +22,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
-from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
+from tandem.bench.measure import (BatchRun, admit_every_request_dormant, random_prompts, run_batch,  # noqa: E402
+                                  run_in_lockstep)
 from tandem.demo import demo_model_paths  # noqa: E402
 
 
@@ -47,28 +50,37 @@ def main() -> None:
     for engine in engines.values():  # warm-up
         for _ in range(3):
             run_batch(engine, random_prompts(1, 64, vocab, seed=1), 16)
-    iteration = {n: [] for n in names}
-    for r in range(ns.rounds):
-        for n in names if r % 2 == 0 else names[::-1]:
-            m, _ = run_batch(engines[n], random_prompts(1, 64, vocab, seed=100 + r), ns.output_len)
-            iteration[n].append(m.iteration_ms)
-        print(f"round {r + 1}/{ns.rounds}", end="\r", file=sys.stderr, flush=True)
-    first = names[0]
-    rows = {}
-    for n in names:
-        ratios = [a / b for a, b in zip(iteration[first], iteration[n])]
-        rows[n] = {"median_iteration_ms": round(statistics.median(iteration[n]), 3),
-                   "median_speed_vs_first_built": round(statistics.median(ratios), 3),
-                   "iteration_ms": [round(x, 3) for x in iteration[n]]}
-        print(f"{n:10s} median iteration {rows[n]['median_iteration_ms']} ms, "
-              f"speed vs first-built {rows[n]['median_speed_vs_first_built']}")
+    result = {}
+    for turns in ("run", "step"):
+        iteration = {n: [] for n in names}
+        for r in range(ns.rounds):
+            prompts = random_prompts(1, 64, vocab, seed=100 + r)
+            if turns == "step":
+                runs = run_in_lockstep([BatchRun(engines[n], prompts, ns.output_len, busy_clock=True) for n in names])
+                for n, (m, _) in zip(names, runs):
+                    iteration[n].append(m.iteration_ms)
+            else:
+                for n in names if r % 2 == 0 else names[::-1]:
+                    m, _ = run_batch(engines[n], prompts, ns.output_len)
+                    iteration[n].append(m.iteration_ms)
+            print(f"turns by {turns}: round {r + 1}/{ns.rounds}", end="\r", file=sys.stderr, flush=True)
+        result[turns] = rows = {}
+        first = names[0]
+        for n in names:
+            ratios = [a / b for a, b in zip(iteration[first], iteration[n])]
+            rows[n] = {"median_iteration_ms": round(statistics.median(iteration[n]), 3),
+                       "median_speed_vs_first_built": round(statistics.median(ratios), 3),
+                       "speed_vs_first_built_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                       "iteration_ms": [round(x, 3) for x in iteration[n]]}
+            print(f"turns by {turns}: {n:10s} median iteration {rows[n]['median_iteration_ms']} ms, speed vs "
+                  f"first-built {rows[n]['median_speed_vs_first_built']} {rows[n]['speed_vs_first_built_range']}")
     for engine in engines.values():
         engine.shutdown()
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"tool": "bench/engine_instance_spread.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "command": sys.argv, "order": names, "rounds": ns.rounds, "output_len": ns.output_len,
-                       "engines": rows}, f, indent=1)
+                       "engines_by_turns": result}, f, indent=1)
 
 
 if __name__ == "__main__":

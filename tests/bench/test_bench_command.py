@@ -60,30 +60,41 @@ def test_repeats_report_the_median_and_keep_every_run(bench, tiny_pair):
         assert off[key] == statistics.median(r[key] for r in off["runs"]), key
 
 
-@pytest.mark.parametrize("sequential", [False, True])
-def test_modes_take_turns_run_by_run(bench, tiny_pair, monkeypatch, sequential):
-    """By default both engines are held and their timed runs alternate (a slow stretch of the machine
-    lands on both modes); --sequential runs one engine's batches, then the other's."""
+@pytest.mark.parametrize("turns", ["step", "run", "sequential"])
+def test_modes_take_turns(bench, tiny_pair, monkeypatch, turns):
+    """By default both engines are held and take turns, on a CPU step by step (each engine's run timed on
+    its own calls; the order reversed every round), with --turns run run by run, so a slow stretch of the
+    machine lands on both modes; --sequential runs one engine's batches, then the other's."""
+    from tandem.bench import measure
     from tandem.bench import run as bench_run
 
-    order = []
-    real = bench_run.run_batch
+    order, steps = [], []
+    real_run, real_step = bench_run.run_batch, measure.BatchRun.step
 
-    def recording(engine, prompts, output_len, *args, **kwargs):
+    def recording_run(engine, prompts, output_len, *args, **kwargs):
         if output_len == 10:  # the timed runs (warm-up runs are 8 tokens)
             order.append(("on" if engine.runner.spec is not None else "off", len(prompts)))
-        return real(engine, prompts, output_len, *args, **kwargs)
+        return real_run(engine, prompts, output_len, *args, **kwargs)
 
-    monkeypatch.setattr(bench_run, "run_batch", recording)
+    def recording_step(run):
+        if run.busy_clock:  # (the timed runs in lockstep; run_batch's runs keep the wall clock)
+            steps.append(("on" if run.spec is not None else "off", len(run.prompts), None))
+        return real_step(run)
+
+    monkeypatch.setattr(bench_run, "run_batch", recording_run)
+    monkeypatch.setattr(measure.BatchRun, "step", recording_step)
+    flags = {"step": [], "run": ["--turns", "run"], "sequential": ["--sequential"]}[turns]
     rc, record, _, _ = bench("--model-path", tiny_pair[0], "--speculative-algorithm", "EAGLE3",
                              "--speculative-draft-model-path", tiny_pair[1], "--batch-sizes", "1", "2",
-                             "--input-len", "5", "--output-len", "10", "--no-plots", "--repeats", "2",
-                             *(["--sequential"] if sequential else []))
+                             "--input-len", "5", "--output-len", "10", "--no-plots", "--repeats", "2", *flags)
     assert rc == 0
-    if sequential:
-        assert order == [("on", 1)] * 2 + [("on", 2)] * 2 + [("off", 1)] * 2 + [("off", 2)] * 2
-    else:
-        assert order == [("on", 1), ("off", 1)] * 2 + [("on", 2), ("off", 2)] * 2
+    if turns == "sequential":
+        assert order == [("on", 1)] * 2 + [("on", 2)] * 2 + [("off", 1)] * 2 + [("off", 2)] * 2 and not steps
+    elif turns == "run":
+        assert order == [("on", 1), ("off", 1)] * 2 + [("on", 2), ("off", 2)] * 2 and not steps
+    else:  # (the order within a lockstep run: tests/bench/test_lockstep.py)
+        assert not order and record["turns"] == "step"
+        assert {(mode, b) for mode, b, _ in steps} == {(m, b) for m in ("on", "off") for b in (1, 2)}
     assert all(len(row[mode]["runs"]) == 2 for row in record["batches"] for mode in ("spec_on", "spec_off"))
 
 

@@ -55,6 +55,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time (for a model that fits only once); by default the engines of "
                         "speculation on and off are held together and their runs take turns")
+    p.add_argument("--turns", choices=["step", "run"], default=None,
+                   help="how the engines held together take turns: step by step, each timed on its own calls "
+                        "(the default on a CPU: a slow stretch of the machine lands on both alike), or run by run "
+                        "(the default on a GPU, where a step returns before its device work is done)")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -73,7 +77,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
         top_p=ns.top_p, json_schema=_json_schema(ns.json_schema),
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
-        repeats=ns.repeats, interleave=not ns.sequential,
+        repeats=ns.repeats, interleave=not ns.sequential, turns=ns.turns,
         command=["tandem", *sys.argv[1:]],
     )
     result = run_bench(cfg)

@@ -92,74 +92,141 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: fl
               json_schema: dict | None = None, **sampling) -> tuple[RunMetrics, list[list[int]]]:
     """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens. With
     `json_schema`, each output is a document of that schema and ends with it (at most output_len tokens).
-    `sampling`: more SamplingParams fields (penalties, logprobs)."""
-    params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p,
-                            ignore_eos=json_schema is None, json_schema=json_schema, **sampling)
-    spec = engine.runner.spec
-    before = _spec_counts(spec)
-    grammar_before = _grammar_time(engine)
-    _sync(engine)
-    t0 = time.perf_counter()
-    rids = [engine.add_request(p, params) for p in prompts]
-    first: dict[str, float] = {}
-    done: dict[str, tuple[float, list[int]]] = {}
-    decode_start, decode_steps = None, 0
-    first_token_steps, last = [], t0
-    trace = [] if spec is not None and spec.policy is not None else None
-    counts = _spec_counts(spec)
-    while len(done) < len(rids):
-        out = engine.step()
-        now = time.perf_counter()
-        if decode_start is not None:
-            decode_steps += 1
-            if trace is not None:
-                new = _spec_counts(spec)
+    `sampling`: more SamplingParams fields (penalties, logprobs). Timed on the wall clock."""
+    run = BatchRun(engine, prompts, output_len, temperature, top_p, json_schema, **sampling)
+    run.start()
+    while not run.step():
+        pass
+    return run.result()
+
+
+def run_in_lockstep(runs: list["BatchRun"]) -> list[tuple[RunMetrics, list[list[int]]]]:
+    """Runs several engines' batches at once, one engine step at a time in turn (the order reversed every
+    round), each timed on its own busy clock: the machine's slow stretches land on every engine alike. On a
+    2-core CPU four engines doing identical work (two plain, two speculative with every request dormant),
+    taking turns run by run, ran 0.79-1.21x the first one's speed round by round (medians 0.957-1.023);
+    taking turns step by step, 0.97-1.05x (medians 1.001-1.007;
+    bench/results/engine_instance_spread_lockstep_cpu.json). CPU engines only: on a GPU a step returns
+    before its device work is done, so one engine's wait would time the other's kernels."""
+    for run in runs:
+        if not run.busy_clock:
+            raise ValueError("run_in_lockstep needs runs timed on their busy clock (BatchRun(busy_clock=True))")
+        run.start()
+    live, turn = list(runs), 0
+    while live:
+        for run in live[:] if turn % 2 == 0 else live[::-1]:  # (copies: finished runs leave `live`)
+            if run.step():
+                live.remove(run)
+        turn += 1
+    return [run.result() for run in runs]
+
+
+class BatchRun:
+    """One timed run of a batch on one engine (`run_batch`), stepped by its caller. Its clock: the wall
+    clock, or with `busy_clock` only the time spent in its own engine calls (add_request, step), for runs of
+    several engines whose steps take turns (`run_in_lockstep`). The bookkeeping between steps is on the wall
+    clock but not on the busy one; on a GPU under overlap that gap overlaps the device's work, so GPU runs
+    keep the wall clock."""
+
+    def __init__(self, engine, prompts: list[list[int]], output_len: int, temperature: float = 0.0,
+                 top_p: float = 1.0, json_schema: dict | None = None, busy_clock: bool = False, **sampling):
+        if busy_clock and engine.runner.device.type == "cuda":
+            raise ValueError("a busy clock times host calls: on a GPU they return before the device is done")
+        self.engine, self.prompts, self.json_schema, self.busy_clock = engine, prompts, json_schema, busy_clock
+        self.params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p,
+                                     ignore_eos=json_schema is None, json_schema=json_schema, **sampling)
+        self.spec = engine.runner.spec
+        self._busy = 0.0  # seconds in this run's engine calls (busy clock)
+
+    def now(self) -> float:
+        return self._busy if self.busy_clock else time.perf_counter()
+
+    def _call(self, fn, *args):
+        if not self.busy_clock:
+            return fn(*args)
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._busy += time.perf_counter() - started
+
+    def start(self) -> None:
+        """Adds the batch's requests (the clock starts)."""
+        engine, spec = self.engine, self.spec
+        self.before = _spec_counts(spec)
+        self.grammar_before = _grammar_time(engine)
+        _sync(engine)
+        self.t0 = self.now()
+        self.rids = self._call(lambda: [engine.add_request(p, self.params) for p in self.prompts])
+        self.first: dict[str, float] = {}
+        self.done: dict[str, tuple[float, list[int]]] = {}
+        self.decode_start, self.decode_steps = None, 0
+        self.first_token_steps, self.last = [], self.t0
+        self.trace = [] if spec is not None and spec.policy is not None else None
+        self.counts = _spec_counts(spec)
+
+    def step(self) -> bool:
+        """One engine step; True once every request has finished (and the engine holds nothing)."""
+        out = self._call(self.engine.step)
+        now, spec = self.now(), self.spec
+        if self.decode_start is not None:
+            self.decode_steps += 1
+            if self.trace is not None:
+                new, counts = _spec_counts(spec), self.counts
                 depth = next((d for d, (a, b) in enumerate(zip(new[3], counts[3] + [0] * len(new[3])))
                               if a > b), -1)
-                trace.append([round(1e3 * (now - last), 3), depth, new[4] - counts[4]])
-                counts = new
-            last = now
+                self.trace.append([round(1e3 * (now - self.last), 3), depth, new[4] - counts[4]])
+                self.counts = new
         else:
-            first_token_steps.append(1e3 * (now - last))
-            last = now
-            counts = _spec_counts(spec) if trace is not None else counts
+            self.first_token_steps.append(1e3 * (now - self.last))
+            self.counts = _spec_counts(spec) if self.trace is not None else self.counts
+        self.last = now
         for d in out.deltas:
             if d.new_token_ids:
-                first.setdefault(d.request_id, now)
+                self.first.setdefault(d.request_id, now)
         for f in out.finished:
-            done[f.request_id] = (now, f.token_ids)
-        if decode_start is None and len(first) == len(rids):
-            decode_start = now
-    t1 = time.perf_counter()
-    while engine.has_unfinished():  # overlap: the step launched ahead of the last results
-        engine.step()
-    tokens = [done[r][1] for r in rids]
-    n_out = sum(len(t) for t in tokens)
-    per_token = [(done[r][0] - first[r]) / (len(done[r][1]) - 1) for r in rids if len(done[r][1]) > 1]
-    metrics = RunMetrics(
-        batch_size=len(prompts), output_tokens=n_out, total_s=t1 - t0, tokens_per_s=n_out / (t1 - t0),
-        ttft_ms=1e3 * sum(first[r] - t0 for r in rids) / len(rids),
-        ms_per_output_token=1e3 * sum(per_token) / len(per_token) if per_token else None,
-        iteration_ms=1e3 * (t1 - decode_start) / decode_steps if decode_steps else None,
-        decode_iterations=decode_steps, first_token_steps_ms=first_token_steps, step_trace=trace,
-    )
-    if json_schema is not None and decode_steps:
-        metrics.grammar_mask_ms_per_step = 1e3 * (_grammar_time(engine) - grammar_before) / decode_steps
-    if spec is not None:
-        after = _spec_counts(spec)
-        drafts = after[0] - before[0]
-        if drafts:
-            metrics.mean_accept_length = 1 + (after[1] - before[1]) / drafts
-            old = before[2] + [0] * (len(after[2]) - len(before[2]))
-            metrics.accept_per_position = [(a - b) / drafts for a, b in zip(after[2], old)]
-        if spec.policy is not None:
-            old_steps = before[3] + [0] * (len(after[3]) - len(before[3]))
-            metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
-            metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
-            metrics.dormant_demoted, metrics.dormant_steps = after[6] - before[6], after[7] - before[7]
-            row = spec.policy.cost_row(spec.padded_batch(len(prompts)))
-            metrics.policy_costs_ms = {k: round(v, 4) for k, v in row.items()}
-    return metrics, tokens
+            self.done[f.request_id] = (now, f.token_ids)
+        if self.decode_start is None and len(self.first) == len(self.rids):
+            self.decode_start = now
+        if len(self.done) < len(self.rids):
+            return False
+        while self.engine.has_unfinished():  # overlap: the step launched ahead of the last results
+            self._call(self.engine.step)
+        self.t1 = self.now()
+        return True
+
+    def result(self) -> tuple[RunMetrics, list[list[int]]]:
+        """The finished run's metrics and tokens."""
+        rids, done, first, t0, t1 = self.rids, self.done, self.first, self.t0, self.t1
+        tokens = [done[r][1] for r in rids]
+        n_out = sum(len(t) for t in tokens)
+        per_token = [(done[r][0] - first[r]) / (len(done[r][1]) - 1) for r in rids if len(done[r][1]) > 1]
+        steps = self.decode_steps
+        metrics = RunMetrics(
+            batch_size=len(self.prompts), output_tokens=n_out, total_s=t1 - t0, tokens_per_s=n_out / (t1 - t0),
+            ttft_ms=1e3 * sum(first[r] - t0 for r in rids) / len(rids),
+            ms_per_output_token=1e3 * sum(per_token) / len(per_token) if per_token else None,
+            iteration_ms=1e3 * (t1 - self.decode_start) / steps if steps else None,
+            decode_iterations=steps, first_token_steps_ms=self.first_token_steps, step_trace=self.trace,
+        )
+        if self.json_schema is not None and steps:
+            metrics.grammar_mask_ms_per_step = 1e3 * (_grammar_time(self.engine) - self.grammar_before) / steps
+        spec, before = self.spec, self.before
+        if spec is not None:
+            after = _spec_counts(spec)
+            drafts = after[0] - before[0]
+            if drafts:
+                metrics.mean_accept_length = 1 + (after[1] - before[1]) / drafts
+                old = before[2] + [0] * (len(after[2]) - len(before[2]))
+                metrics.accept_per_position = [(a - b) / drafts for a, b in zip(after[2], old)]
+            if spec.policy is not None:
+                old_steps = before[3] + [0] * (len(after[3]) - len(before[3]))
+                metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
+                metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
+                metrics.dormant_demoted, metrics.dormant_steps = after[6] - before[6], after[7] - before[7]
+                row = spec.policy.cost_row(spec.padded_batch(len(self.prompts)))
+                metrics.policy_costs_ms = {k: round(v, 4) for k, v in row.items()}
+        return metrics, tokens
 
 
 def _grammar_time(engine) -> float:

@@ -1,6 +1,6 @@
 """`tandem bench`: offline latency and throughput over batch sizes, speculation on and off side by side
-in one process (both engines held at once, their runs taking turns; same prompts), optionally against
-transformers.
+in one process (both engines held at once, taking turns step by step on a CPU and run by run on a GPU;
+same prompts), optionally against transformers.
 
 Each batch size adds B random prompts of input_len tokens at once and runs them to exactly output_len
 tokens each (ignore_eos). Weights are a real checkpoint, the bundled demo pair, or random weights in a
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.bench import report, synthetic
-from tandem.bench.measure import median_of_runs, random_prompts, rounded, run_batch
+from tandem.bench.measure import BatchRun, median_of_runs, random_prompts, rounded, run_batch, run_in_lockstep
 from tandem.bench.presets import PRESETS, write_preset
 
 MODES = ("spec_on", "spec_off")
@@ -44,7 +44,8 @@ class BenchConfig:
     progress: bool = True
     warmup: bool = True
     repeats: int = 1  # timed runs per batch size and mode; the row holds each metric's median
-    interleave: bool = True  # every mode's engine at once, runs taking turns (False: one engine at a time)
+    interleave: bool = True  # every mode's engine at once, taking turns (False: one engine at a time)
+    turns: str | None = None  # how interleaved engines take turns: "step" or "run" (None: step on a CPU, run on a GPU)
     command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class BenchConfig:
                 raise ValueError("--synthetic-acceptance replaces verification: it needs speculation (--spec on/both)")
             if not 0.0 <= self.synthetic_acceptance <= 1.0:
                 raise ValueError(f"--synthetic-acceptance must be in [0, 1] (got {self.synthetic_acceptance})")
+        if self.turns not in (None, "step", "run"):
+            raise ValueError(f"--turns must be step or run (got {self.turns!r})")
         if self.compare_hf and self.temperature != 0.0:
             raise ValueError("--compare-hf compares greedy outputs: use --temperature 0")
 
@@ -124,23 +127,27 @@ def run_bench(cfg: BenchConfig) -> dict:
         engines: dict[str, object] = {}
         info = {}
         try:
-            # Interleaved (the default): every mode's engine at once, taking turns run by run, so that a
-            # slow stretch of the machine lands on all modes alike (on a 2-core CPU, plain decoding's own
-            # runs moved 17-30% between one engine's turn and the next). Sequential: one engine at a
+            # Interleaved (the default): every mode's engine at once, taking turns, so that a slow stretch
+            # of the machine lands on all modes alike (on a 2-core CPU, plain decoding's own runs moved
+            # 17-30% between one engine's turn and the next). Turns are steps on a CPU (each engine timed
+            # on its own calls, measure.run_in_lockstep) and runs on a GPU. Sequential: one engine at a
             # time, for a model that fits only once.
             groups = [list(cfg.modes)] if cfg.interleave else [[mode] for mode in cfg.modes]
+            turns = cfg.turns
             for gi, group in enumerate(groups):
                 for mode in group:
                     engines[mode] = _bench_engine(cfg, mode, spec_kw, plain_kw)
                     info = info or _run_info(engines[mode])
+                turns = turns or ("step" if info["device_type"] == "cpu" else "run")
+                if turns == "step" and info["device_type"] != "cpu":
+                    raise ValueError("--turns step times each engine's host calls: CPU engines only (a GPU step "
+                                     "returns before its device work is done)")
                 for b in cfg.batch_sizes:
                     bar.set_postfix_str(f"{' and '.join(m.replace('_', ' ') for m in group)}, batch {b}")
                     prompts = random_prompts(b, cfg.input_len, info["vocab_size"], seed=spec_kw.get("seed") or 0)
                     runs = {mode: [] for mode in group}
                     for _ in range(cfg.repeats):  # the same prompts each time
-                        for mode in group:
-                            metrics, toks = run_batch(engines[mode], prompts, cfg.output_len, cfg.temperature,
-                                                      cfg.top_p, cfg.json_schema)
+                        for mode, (metrics, toks) in zip(group, _timed_runs(cfg, engines, group, prompts, turns)):
                             if cfg.json_schema is None:  # documents end where their schema says
                                 _check_lengths(toks, cfg.output_len)
                             runs[mode].append(metrics)
@@ -172,7 +179,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             row["speedup"] = round(on["tokens_per_s"] / off["tokens_per_s"], 4)
             if on["ms_per_output_token"] and off["ms_per_output_token"]:
                 row["latency_speedup"] = round(off["ms_per_output_token"] / on["ms_per_output_token"], 4)
-    result = _record(cfg, spec_kw, info, list(rows.values()))
+    result = _record(cfg, spec_kw, info, list(rows.values()), turns)
     out = cfg.out or os.path.join("bench", "results",
                                   f"bench-{result['model']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     result["json"] = out
@@ -181,6 +188,15 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["plots"] = report.plot(result, os.path.splitext(out)[0])
     report.write_json(result, out)
     return result
+
+
+def _timed_runs(cfg: BenchConfig, engines: dict, group: list[str], prompts, turns: str) -> list:
+    """One timed run of `prompts` on each engine of `group`: together, step by step (turns "step"), or one
+    after the other."""
+    args = (prompts, cfg.output_len, cfg.temperature, cfg.top_p, cfg.json_schema)
+    if turns == "step" and len(group) > 1:
+        return run_in_lockstep([BatchRun(engines[mode], *args, busy_clock=True) for mode in group])
+    return [run_batch(engines[mode], *args) for mode in group]
 
 
 def _bench_engine(cfg: BenchConfig, mode: str, spec_kw: dict, plain_kw: dict):
@@ -246,10 +262,10 @@ def _run_info(engine) -> dict:
     device = engine.runner.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return {"device": name, "dtype": str(engine.runner.dtype).removeprefix("torch."), "torch": torch.__version__,
-            "vocab_size": engine.arch.vocab_size}
+            "vocab_size": engine.arch.vocab_size, "device_type": device.type}
 
 
-def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> dict:
+def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict], turns: str | None) -> dict:
     model_path = spec_kw["model_path"]
     name = cfg.preset or ("demo" if cfg.engine_kwargs.get("model_path") is None
                           else os.path.basename(os.path.normpath(model_path)))
@@ -270,6 +286,7 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict]) -> di
         "input_len": cfg.input_len, "output_len": cfg.output_len, "temperature": cfg.temperature,
         "top_p": cfg.top_p, "json_schema": cfg.json_schema,
         "repeats": cfg.repeats,
+        "turns": turns if cfg.interleave and len(cfg.modes) > 1 else None,
         "batch_sizes": list(cfg.batch_sizes), "modes": cfg.modes,
         "synthetic_acceptance": None,
         "engine_args": {k: v for k, v in spec_kw.items() if not (cfg.preset and k.endswith("model_path"))},
