@@ -96,6 +96,15 @@ def test_modes_take_turns(bench, tiny_pair, monkeypatch, turns):
         assert not order and record["turns"] == "step"
         assert {(mode, b) for mode, b, _ in steps} == {(m, b) for m in ("on", "off") for b in (1, 2)}
     assert all(len(row[mode]["runs"]) == 2 for row in record["batches"] for mode in ("spec_on", "spec_off"))
+    for row in record["batches"]:
+        on, off = row["spec_on"], row["spec_off"]
+        if turns == "sequential":  # no pairs: the ratio of the medians
+            assert row["speedup"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"], rel=1e-3)
+            assert "speedup_by_run" not in row
+        else:  # runs that took turns: the upper median of the pairs' own ratios
+            by_run = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on["runs"], off["runs"])]
+            assert row["speedup_by_run"] == pytest.approx(by_run, rel=1e-3)
+            assert row["speedup"] == pytest.approx(max(by_run), rel=1e-3)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -176,9 +176,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     for row in rows.values():
         on, off = row.get("spec_on"), row.get("spec_off")
         if on and off:
-            row["speedup"] = round(on["tokens_per_s"] / off["tokens_per_s"], 4)
-            if on["ms_per_output_token"] and off["ms_per_output_token"]:
-                row["latency_speedup"] = round(off["ms_per_output_token"] / on["ms_per_output_token"], 4)
+            row.update(_speedups(on, off, paired=cfg.interleave))
     result = _record(cfg, spec_kw, info, list(rows.values()), turns)
     out = cfg.out or os.path.join("bench", "results",
                                   f"bench-{result['model']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -188,6 +186,32 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["plots"] = report.plot(result, os.path.splitext(out)[0])
     report.write_json(result, out)
     return result
+
+
+def _speedups(on: dict, off: dict, paired: bool) -> dict:
+    """Speculation's speedup in tokens per second and in per-request latency. Runs that took turns
+    (`paired`) are compared pair by pair: the median of the runs' own ratios (upper median for an even
+    count, as median_of_runs), each pair having met the same stretch of the machine. The ratio of the two
+    medians mixes runs from different stretches: on a 2-core CPU, with runs moving 86-119 tokens/s over one
+    invocation, it read 0.936 where six of seven pairs were 0.97-1.00 (bench/results/cpu-demo-session13).
+    Sequential runs have no pairs: the ratio of the medians."""
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    def upper_median(values):
+        values = sorted(v for v in values if v is not None)
+        return values[len(values) // 2] if values else None
+
+    if paired and "runs" in on and "runs" in off:
+        pairs = list(zip(on["runs"], off["runs"]))
+        by_run = [ratio(a["tokens_per_s"], b["tokens_per_s"]) for a, b in pairs]
+        out = {"speedup": upper_median(by_run), "speedup_by_run": [round(r, 4) for r in by_run],
+               "latency_speedup": upper_median(ratio(b["ms_per_output_token"], a["ms_per_output_token"])
+                                               for a, b in pairs)}
+    else:
+        out = {"speedup": ratio(on["tokens_per_s"], off["tokens_per_s"]),
+               "latency_speedup": ratio(off["ms_per_output_token"], on["ms_per_output_token"])}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items() if v is not None}
 
 
 def _timed_runs(cfg: BenchConfig, engines: dict, group: list[str], prompts, turns: str) -> list:
