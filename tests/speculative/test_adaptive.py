@@ -4,8 +4,6 @@ of depth 0..num_steps, and the tree) so every shape runs, for every draft kind, 
 configurations, overlap on and off, under the stream-order checker; then the real policy, which must
 settle on the full depth when every draft is accepted (the target drafting for itself)."""
 
-from dataclasses import replace
-
 import pytest
 
 from tandem import Engine, SamplingParams
@@ -191,8 +189,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
     """Synthetic acceptance 0 (BENCHMARK ONLY coins: nothing is ever accepted) and a frozen GPU-like cost
     table (depth d costs 1 + 0.3 d ms): the first wave teaches the policy that drafts never pay (four
     requests leave depth 0 after two drafting steps: 8 observations of position 1, too few to rule out
-    a_1 = 0.3, where a chain of one would pay; 20 tokens, so fewer depth-0 steps than make a verdict of
-    their own, policy.DORMANT_AFTER_UNDRAFTED_STEPS). Then drafting is made dearer (1 + 0.8 d ms: it pays only
+    a_1 = 0.3, where a chain of one would pay). Then drafting is made dearer (1 + 0.8 d ms: it pays only
     at a_1 > 0.8, which those 8 rejections rule out); in the second wave, the real `admit` makes every
     request dormant but each eighth (a sentinel), and those never reach the draft's prefill."""
     from tandem.bench import synthetic
@@ -211,7 +208,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
                 policy.cost_ms[(bs, shape)] = 1.0 + 0.3 * shape.depth
         synthetic.install(e, 0.0)
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-        e.generate(input_ids=PROMPTS[:4], sampling_params=replace(params, max_new_tokens=20))
+        e.generate(input_ids=PROMPTS[:4], sampling_params=params)
         assert policy.acceptance[0] < 0.1, policy.acceptance
         assert not policy.admit("too early to tell", 4)
         for bs in range(1, 17):

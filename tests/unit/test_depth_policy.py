@@ -569,30 +569,18 @@ def test_dormancy_takes_the_estimate_as_it_is_once_settled():
     assert settled.admit("r", 8) and settled.demote(["a"], 8) == ["a"]
 
 
-def test_a_batch_that_stays_at_depth_0_drops_its_drafts_and_its_size_admits_dormant(monkeypatch):
-    """Costs 17 / 23 / 29 / 34 ms at batch 4 (the demo pair's on a CPU), engine-wide acceptance 0.6, 0.7,
-    0.7: by the rates a chain of one pays (1.6 / 23 = 0.070 tokens per ms a row against 1 / 17 = 0.059), so a
-    new request keeps its draft. But the batch's own rows have shown they accept nothing (their own rates),
-    so its choice is depth 0 step after step: after DORMANT_AFTER_UNDRAFTED_STEPS (24) such steps, not 23,
-    the batch drops its drafts and new requests joining a batch of 4 are admitted dormant (not at batch 8),
-    for UNDRAFTED_VERDICT_ADMISSIONS (32) admissions; the next is judged by the rates again."""
-    from tandem.speculative import policy as policy_module
-
-    monkeypatch.setattr(policy_module, "SENTINEL_EVERY", 10**9)  # (no sentinel among the admissions)
-    p = policy_with_costs({4: [17.0, 23.0, 29.0, 34.0], 8: [20.0, 27.0, 34.0, 40.0]}, probe_every=10**9)
-    rows = [f"r{i}" for i in range(4)]
-    for _ in range(10):  # each row's own evidence: nothing accepted
-        p.observe_step(DraftShape(3), rows, [1] * 4)
-    set_acceptance(p, [0.6, 0.7, 0.7])
-    assert not p.admit("before", 4)
-    for step in range(23):
-        assert p.choose(rows, 4) == DraftShape(0)
-    assert p.demote(rows, 4) == [] and not p.admit("after 23", 4)
-    assert p.choose(rows, 4) == DraftShape(0)
-    assert sorted(p.demote(rows, 4)) == rows
-    assert not p.admit("elsewhere", 8)
-    assert all(p.admit(f"joins{i}", 4) for i in range(32))
-    assert not p.admit("judged by the rates", 4)
+def test_dormancy_takes_the_estimate_once_the_batch_has_stayed_at_depth_0():
+    """The same costs and acceptance with 24 observations (unsettled by count: drafts kept), but a batch
+    of 8 chooses depth 0 (1.5 / 1.6 per ms < 1.0) step after step: after DORMANT_SETTLED_STEPS such steps
+    the estimate decides there (dormant), not at batch 16 (no steps chosen there yet)."""
+    p = policy_with_costs({8: [1.0, 1.6, 2.0, 2.4], 16: [1.0, 1.6, 2.0, 2.4]}, probe_every=10**9)
+    teach(p, [0.5, 0.0, 0.0], steps=24)
+    rows = [f"r{i}" for i in range(8)]
+    for step in range(64):  # DORMANT_SETTLED_STEPS
+        assert not p.admit(f"early{step}", 8)
+        assert p.choose(rows, 8) == DraftShape(0)
+    assert p.admit("late", 8)
+    assert not p.admit("elsewhere", 16)
 
 
 def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():

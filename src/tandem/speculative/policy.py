@@ -90,19 +90,11 @@ REQUEST_EVIDENCE_Z = DORMANT_CONFIDENCE_Z
 # engine sat at depth 0 keeping every draft (its prefill, a catch-up every 32 steps: 5-8% of a run) and
 # ran 0.92-0.95x plain decoding.
 DORMANT_SETTLED_OBSERVATIONS = 32
-# A batch whose choice has been depth 0 for this many steps in a row (probes aside) drops its drafts
-# (`demote`), whatever the engine-wide rates say, and the next requests to join a batch of that size (and
-# sampling class) are admitted dormant (`admit`), up to UNDRAFTED_VERDICT_ADMISSIONS of them; then the rates
-# judge again. The choice sees what the engine-wide rates do not: the batch's own rows (each one's own rate
-# once observed, the slowest of a batch that finishes together, the tokens left). On a CPU the demo pair
-# accepts a_1 = 0.55-0.65 engine-wide, at which a chain of one pays at batch 4 by the rates (23 ms against
-# depth 0's 17), but the slowest row of its batches of four accepts less: the batch chose depth 0 for most
-# of each 64-token run while keeping every draft (catch-ups, a draft prefill per run) and ran 0.89-0.92x
-# plain decoding, run after run. (Before, 64 such steps only made the estimate count as it is, which here
-# says drafting pays.) And at depth 0 no observations come to narrow the interval (on a CPU at batch 1,
-# with a probe every 277 steps, rows kept their drafts for four 64-token runs in a row).
-DORMANT_AFTER_UNDRAFTED_STEPS = 24
-UNDRAFTED_VERDICT_ADMISSIONS = SENTINEL_EVERY
+# The estimate is taken as it is at a batch size whose choice has been depth 0 for this many steps in a row
+# too (probes aside): the policy itself judged drafting not worth it there for that long, and at depth 0
+# no observations come to narrow the interval (on a CPU at batch 1, with a probe every 277 steps, rows
+# kept their drafts for four 64-token runs in a row).
+DORMANT_SETTLED_STEPS = 64
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
 # A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
@@ -309,7 +301,6 @@ class DepthPolicy:
                            for n in range(min_request_obs)]
         self._draft_prefill = PrefillCost()  # what a prompt token adds to the draft's prefill
         self._admitted = 0
-        self._verdict_admissions: dict = {}  # (sampled?, table) -> dormant admissions by `_undrafted_verdict`
 
     def reset_acceptance(self) -> None:
         """Back to the prior, as at start-up (the cost table stays)."""
@@ -498,25 +489,9 @@ class DepthPolicy:
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
-        if not self._undrafted_verdict(padded_batch, sampled) and not self._drafting_cannot_pay(
-                padded_batch, upkeep, sampled):
+        if not self._drafting_cannot_pay(padded_batch, upkeep, sampled):
             return False
         self.dormant.add(request_id)
-        return True
-
-    def _undrafted_verdict(self, padded_batch: int, sampled: bool) -> bool:
-        """Whether the last batch of this size and class chose depth 0 for DORMANT_AFTER_UNDRAFTED_STEPS steps in
-        a row, with fewer than UNDRAFTED_VERDICT_ADMISSIONS admissions judged by that since (this one counts);
-        past them the verdict expires and the next batch there is judged by the rates."""
-        key = (sampled, padded_batch)
-        if self._undrafted_steps.get(key, 0) < DORMANT_AFTER_UNDRAFTED_STEPS:
-            return False
-        judged = self._verdict_admissions.get(key, 0) + 1
-        if judged > UNDRAFTED_VERDICT_ADMISSIONS:
-            self._verdict_admissions[key] = 0
-            self._undrafted_steps[key] = 0
-            return False
-        self._verdict_admissions[key] = judged
         return True
 
     def demote(self, request_ids, padded_batch: int) -> list[str]:
@@ -526,17 +501,10 @@ class DepthPolicy:
         dormant rows alone runs plain decoding's cheaper step) for the rest of their run: on an H200 the
         demo pair at temperature 1 went dormant at admission only from its fourth run of a batch size.
         Dropping is for good (a dormant request never gets its draft state back). Each sampling class is
-        judged at its own acceptance; the whole batch once its choice has been depth 0 for
-        DORMANT_AFTER_UNDRAFTED_STEPS steps in a row."""
+        judged at its own acceptance."""
         if not self.dormancy:
             return []
         keeping = [rid for rid in request_ids if rid not in self.dormant and rid not in self.sentinels]
-        batch_sampled = self._batch_class(request_ids) is self.rates_by_class[True]
-        if (keeping and self._class(batch_sampled).seen[0] >= DORMANT_MIN_OBSERVATIONS
-                and self._undrafted_steps.get((batch_sampled, padded_batch), 0) >= DORMANT_AFTER_UNDRAFTED_STEPS):
-            self.dormant.update(keeping)
-            self._repeatable.clear()
-            return keeping
         dropped = []
         for sampled in (False, True):
             rows = [rid for rid in keeping if (rid in self.sampled) == sampled]
@@ -570,7 +538,8 @@ class DepthPolicy:
     def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
-        observed DORMANT_SETTLED_OBSERVATIONS times, at the rates as estimated. A dormant row's step costs
+        observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
+        DORMANT_SETTLED_STEPS steps, at the rates as estimated. A dormant row's step costs
         what a batch of dormant rows costs (plain decoding's step, `dormant_step_ms`).
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
@@ -579,7 +548,8 @@ class DepthPolicy:
         if any(cost is None for cost in costs.values()):
             return False
         cls = self.rates_by_class[sampled]
-        settled = cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
+        settled = (cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
+                   or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
         as_estimated = expected_by_depth(cls.effective())
         expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance(sampled))
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
