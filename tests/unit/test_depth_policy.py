@@ -583,6 +583,28 @@ def test_dormancy_takes_the_estimate_once_the_batch_has_stayed_at_depth_0():
     assert not p.admit("elsewhere", 16)
 
 
+def test_a_batch_that_finishes_together_is_judged_at_its_slowest_rows_rate():
+    """Costs 17 / 23 / 29 / 34 ms at batch 4 (the demo pair's on a CPU), engine-wide acceptance 0.6, 0.7,
+    0.7: by the engine's rates a chain of one pays (1.6 / 23 = 0.070 tokens per ms against a dormant row's
+    1 / 17 = 0.059). Four finished requests showed 14, 13, 4 and 12 hits of 20 at position 1. A request
+    joining a batch of four that finishes together goes at the slowest row's pace, the 1/5 quantile of
+    those rates, 0.2: a chain of one gives 1.2 / 23 = 0.052, two 1.34 / 29 = 0.046, three 1.438 / 34 =
+    0.042, all under 0.059 (dormant). Alone (the median, 0.65: 1.65 / 23 = 0.072) or in a batch that a
+    queue refills (the engine's rates), it keeps its draft; with three finished requests, too few, too."""
+    p = policy_with_costs({1: [17.0, 23.0, 29.0, 34.0], 4: [17.0, 23.0, 29.0, 34.0]}, probe_every=10**9)
+    for n, hits in enumerate([14, 13, 4, 12]):
+        if n == 3:
+            assert not p.admit("three finished", 4, finish_together=True)
+        p.observe_step(DraftShape(3), [f"done{n}"] * 20, [2] * hits + [1] * (20 - hits))  # (20 tries of position 1)
+        set_acceptance(p, [0.6, 0.7, 0.7])
+        p.forget([f"done{n}"])
+    assert p.slowest_row_rate(4, False) == 0.2 and p.slowest_row_rate(1, False) == 0.65
+    assert p.admit("joins four", 4, finish_together=True)
+    assert not p.admit("refilled batch", 4)
+    assert not p.admit("alone", 1, finish_together=True)
+    assert p.slowest_row_rate(4, True) is None  # (sampled requests keep rates of their own)
+
+
 def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
     """Admission weighs the draft's prefill. Costs: depth 0 1.0 ms, a chain of one 1.2 ms; acceptance 0.3
     measured over many steps: a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms, 8% over depth 0.

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import NamedTuple
@@ -95,6 +96,18 @@ DORMANT_SETTLED_OBSERVATIONS = 32
 # no observations come to narrow the interval (on a CPU at batch 1, with a probe every 277 steps, rows
 # kept their drafts for four 64-token runs in a row).
 DORMANT_SETTLED_STEPS = 64
+# A request that joins a batch which will finish together (fixed-length rows, nothing queued to refill it)
+# is judged at the pace of the batch's slowest row: position 1's rate at the 1 / (B + 1) quantile of the
+# rates that the last SLOWEST_ROW_REQUESTS_KEPT finished requests of its class showed over their own drafts
+# (B: the padded batch; the median for one row), once SLOWEST_ROW_MIN_REQUESTS have (one batch of four). Such a batch is done
+# when its slowest row is, and requests differ: on a CPU the demo pair's requests over random-token prompts
+# accept a_1 = 0.55-0.65 engine-wide, at which a chain of one pays at batch 4 (23 ms against depth 0's 17,
+# 1.6 tokens against 1), but its batches of four drafted chains of one and two at the pace of a row that
+# accepted less, 1.37 tokens a step, and ran 0.87-0.95x plain decoding run after run. Each row's own
+# rate counts only the positions it drafted, so a chance low (or high) one is a sample of what the next
+# batch's slowest row will do, the within-request noise included, which the engine-wide rate leaves out.
+SLOWEST_ROW_REQUESTS_KEPT = 64
+SLOWEST_ROW_MIN_REQUESTS = 4
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
 # A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
@@ -308,6 +321,10 @@ class DepthPolicy:
         self.rates_by_class = {False: _ClassRates(self.num_steps, self.prior),
                                True: _ClassRates(self.num_steps, self.prior)}
         self._accept_nothing = [1.0] * (self.num_steps + 1)  # a dormant request's expected tokens by depth
+        # sampled? -> position 1's rate (hits / tries) of each of the last finished requests with
+        # min_request_obs observations of it (`slowest_row_rate`)
+        self._finished_rates = {False: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT),
+                                True: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT)}
         self._repeatable = {}
 
     def _class(self, sampled: bool | None) -> _ClassRates:
@@ -450,8 +467,11 @@ class DepthPolicy:
         self.catch_up_per_step_ms[key] = new if old is None else old + 0.2 * (new - old)
 
     def forget(self, request_ids) -> None:
+        """Requests that finished or were preempted: their own rate at position 1 is kept (`slowest_row_rate`)."""
         for rid in request_ids:
-            self._requests.pop(rid, None)
+            req = self._requests.pop(rid, None)
+            if req is not None and req.seen[0] >= self.min_request_obs:
+                self._finished_rates[rid in self.sampled].append(req.hits[0] / req.seen[0])
             self.dormant.discard(rid)
             self.sentinels.discard(rid)
             self.sampled.discard(rid)
@@ -468,13 +488,14 @@ class DepthPolicy:
 
     # ---- dormant admission -------------------------------------------------------------------------------
     def admit(self, request_id: str, padded_batch: int, prompt_tokens: int = 0, max_new_tokens: int = 0,
-              sampled: bool = False) -> bool:
+              sampled: bool = False, finish_together: bool = False) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
         does not pay (`_drafting_cannot_pay`, at the acceptance of its sampling class: `sampled`,
         temperature > 0) once the draft's prefill of `prompt_tokens` is paid for out of what drafting saves
         over `max_new_tokens` (`prefill_share_ms`); every SENTINEL_EVERY-th request keeps its draft all
-        the same."""
+        the same. `finish_together`: the request runs exactly max_new_tokens in a batch that nothing queued
+        will refill, so the batch goes at its slowest row's pace (`slowest_row_rate`)."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
         self._repeatable.clear()
@@ -489,10 +510,20 @@ class DepthPolicy:
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
-        if not self._drafting_cannot_pay(padded_batch, upkeep, sampled):
+        slowest = self.slowest_row_rate(padded_batch, sampled) if finish_together else None
+        if not self._drafting_cannot_pay(padded_batch, upkeep, sampled, slowest):
             return False
         self.dormant.add(request_id)
         return True
+
+    def slowest_row_rate(self, rows: int, sampled: bool) -> float | None:
+        """Position 1's rate of the slowest of `rows` rows: the 1 / (rows + 1) quantile of the rates the
+        class's last finished requests showed (SLOWEST_ROW_REQUESTS_KEPT); None with fewer than
+        SLOWEST_ROW_MIN_REQUESTS of them."""
+        rates = self._finished_rates[sampled]
+        if len(rates) < SLOWEST_ROW_MIN_REQUESTS:
+            return None
+        return sorted(rates)[min(len(rates) - 1, len(rates) // (rows + 1))]
 
     def demote(self, request_ids, padded_batch: int) -> list[str]:
         """The requests of a running batch that should drop their draft state now: every one but the
@@ -535,7 +566,8 @@ class DepthPolicy:
         """One step's draft prefill: `ms` for `tokens` prompt tokens."""
         self._draft_prefill.observe(tokens, ms)
 
-    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False) -> bool:
+    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False,
+                             slowest_rate: float | None = None) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
         observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
@@ -543,7 +575,7 @@ class DepthPolicy:
         what a batch of dormant rows costs (plain decoding's step, `dormant_step_ms`).
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
-        (`sampled`)."""
+        (`sampled`); position 1's at no more than `slowest_rate` where given (SLOWEST_ROW_REQUESTS_KEPT)."""
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
@@ -551,7 +583,10 @@ class DepthPolicy:
         settled = (cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
                    or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
         as_estimated = expected_by_depth(cls.effective())
-        expected = as_estimated if settled else expected_by_depth(self.optimistic_acceptance(sampled))
+        rates = cls.effective() if settled else self.optimistic_acceptance(sampled)
+        if slowest_rate is not None:
+            rates = [min(rates[0], slowest_rate)] + rates[1:]
+        expected = expected_by_depth(rates)
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = cls.tree_tokens * expected[-1] / as_estimated[-1]
         dormant_step = self.dormant_step_ms(padded_batch, costs[self.options[0]])

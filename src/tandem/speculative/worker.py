@@ -677,13 +677,16 @@ class SpecWorker:
         # batch alone, the first 96 were kept drafting at sizes 32-96 where drafting paid, then decoded at
         # 128 where it did not).
         prompts = {c.request_id for c in chunks}
-        joins = self.padded_batch(max(batch_ahead, len(self.ready - prompts) + len(prompts)))
+        rows = len(self.ready - prompts) + len(prompts)
+        joins = self.padded_batch(max(batch_ahead, rows))
+        draining = batch_ahead <= rows  # (nothing queued with room to refill the batch, as in choose_shape)
         for c in chunks:
             if c.start_pos == 0:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
-                if self.policy is not None and self.policy.admit(c.request_id, joins, c.num_prompt_tokens,
-                                                                  c.sampling_params.max_new_tokens,
-                                                                  sampled=not c.sampling_params.greedy):
+                if self.policy is not None and self.policy.admit(
+                        c.request_id, joins, c.num_prompt_tokens, c.sampling_params.max_new_tokens,
+                        sampled=not c.sampling_params.greedy,
+                        finish_together=draining and _fixed_length(c.sampling_params)):
                     self.stats.dormant_admitted += 1  # dormant: no draft prefill, no catch-ups
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
