@@ -605,6 +605,23 @@ def test_a_batch_that_finishes_together_is_judged_at_its_slowest_rows_rate():
     assert p.slowest_row_rate(4, True) is None  # (sampled requests keep rates of their own)
 
 
+def test_a_batch_at_depth_0_from_the_start_goes_dormant_without_observations():
+    """Costs 0.22 / 0.40 / 0.50 / 0.58 ms at batch 1 (the demo pair on a fast host): at the prior (0.6)
+    no chain pays (1.6 / 0.40 = 4.0, 1.96 / 0.50 = 3.9, 2.18 / 0.58 = 3.8 tokens per ms against 1 / 0.22 =
+    4.5), so a sampled request's batch chooses depth 0 from its first step and its class gets no
+    observations (probes aside). After DORMANT_SETTLED_STEPS such steps, not before, its requests are
+    admitted dormant and the running one drops its draft; greedy requests, judged apart, are not."""
+    p = policy_with_costs({1: [0.22, 0.40, 0.50, 0.58]}, probe_every=10**9)
+    assert not p.admit("r", 1, sampled=True)
+    choices = [p.choose(["r"], 1) for _ in range(63)]
+    assert not p.admit("after 63", 1, sampled=True) and p.demote(["r"], 1) == []
+    choices.append(p.choose(["r"], 1))  # the 64th: DORMANT_SETTLED_STEPS
+    assert choices[-63:] == [DraftShape(0)] * 63 and p.rates_by_class[True].seen[0] <= 1
+    assert not p.admit("greedy", 1)
+    assert p.demote(["r"], 1) == ["r"]
+    assert p.admit("late", 1, sampled=True)
+
+
 def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
     """Admission weighs the draft's prefill. Costs: depth 0 1.0 ms, a chain of one 1.2 ms; acceptance 0.3
     measured over many steps: a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms, 8% over depth 0.

@@ -96,6 +96,12 @@ DORMANT_SETTLED_OBSERVATIONS = 32
 # no observations come to narrow the interval (on a CPU at batch 1, with a probe every 277 steps, rows
 # kept their drafts for four 64-token runs in a row).
 DORMANT_SETTLED_STEPS = 64
+# Such a batch also needs no DORMANT_MIN_OBSERVATIONS: where drafting does not pay even at the prior, the
+# choice is depth 0 from the first step and observations come from probes alone. On an H200 with a fast
+# host (the demo pair's plain step 0.22 ms, a chain of three 0.58) requests at temperature 1, batch 1,
+# chose depth 0 for every step of five 96-token runs, kept their drafts (a draft prefill and catch-ups)
+# and ran 0.87x plain decoding: the sampled class had one observation (bench/results/
+# sampling_demo_h200_session13_slowest.json).
 # A request that joins a batch which will finish together (fixed-length rows, nothing queued to refill it)
 # is judged at the pace of the batch's slowest row: position 1's rate at the 1 / (B + 1) quantile of the
 # rates that the last SLOWEST_ROW_REQUESTS_KEPT finished requests of its class showed over their own drafts
@@ -503,7 +509,7 @@ class DepthPolicy:
             self.sampled.add(request_id)
         else:
             self.sampled.discard(request_id)
-        if not self.dormancy or self.rates_by_class[sampled].seen[0] < DORMANT_MIN_OBSERVATIONS:
+        if not self.dormancy or not self._evidence_enough(padded_batch, sampled):
             return False
         self._admitted += 1
         if self._admitted % SENTINEL_EVERY == 0:
@@ -539,13 +545,19 @@ class DepthPolicy:
         dropped = []
         for sampled in (False, True):
             rows = [rid for rid in keeping if (rid in self.sampled) == sampled]
-            if (rows and self.rates_by_class[sampled].seen[0] >= DORMANT_MIN_OBSERVATIONS
+            if (rows and self._evidence_enough(padded_batch, sampled)
                     and self._drafting_cannot_pay(padded_batch, sampled=sampled)):
                 dropped += rows
         if dropped:
             self.dormant.update(dropped)
             self._repeatable.clear()
         return dropped
+
+    def _evidence_enough(self, padded_batch: int, sampled: bool) -> bool:
+        """Whether dormancy may be judged for a sampling class at this batch: DORMANT_MIN_OBSERVATIONS of
+        position 1, or DORMANT_SETTLED_STEPS depth-0 choices in a row there."""
+        return (self.rates_by_class[sampled].seen[0] >= DORMANT_MIN_OBSERVATIONS
+                or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
 
     def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
         """What the draft's prefill of new requests costs per step of their batch: each of its
