@@ -622,6 +622,25 @@ def test_a_batch_at_depth_0_from_the_start_goes_dormant_without_observations():
     assert p.admit("late", 1, sampled=True)
 
 
+def test_sentinels_come_as_rarely_as_their_upkeep_asks():
+    """A sentinel makes its whole batch take depth-0 steps instead of dormant ones. Batch 32, depth 0 0.78
+    ms, a dormant step 0.73 (the demo pair on an H200): 32 x 0.05 / 0.73 / 0.005 = 438.4, one sentinel per
+    439 admissions; batch 1, depth 0 0.24, dormant 0.23 (1 x 0.01 / 0.23 / 0.005 = 8.7): one per
+    SENTINEL_EVERY (32); depth 0's catch-up share counts in its upkeep (0.02 ms at batch 1: 26.1, still 32;
+    0.2 ms: 1 x 0.21 / 0.23 / 0.005 = 182.6, one per 183)."""
+    p = policy_with_costs({1: [0.24, 0.30, 0.36, 0.42], 32: [0.78, 1.0, 1.2, 1.4]}, probe_every=10**9)
+    p.observe_dormant_time(1, 0.23, weight=1.0)
+    p.observe_dormant_time(32, 0.73, weight=1.0)
+    set_acceptance(p, [0.05, 0.05, 0.05])  # (drafting pays nowhere: every admission but a sentinel dormant)
+    assert p.sentinel_spacing(32) == 439 and p.sentinel_spacing(1) == 32
+    admitted = [p.admit(f"q{i}", 32) for i in range(2 * 439)]
+    assert [i for i, a in enumerate(admitted) if not a] == [438, 877]
+    p.catch_up_per_step_ms[1] = 0.02
+    assert p.sentinel_spacing(1) == 32
+    p.catch_up_per_step_ms[1] = 0.2
+    assert p.sentinel_spacing(1) == 183
+
+
 def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
     """Admission weighs the draft's prefill. Costs: depth 0 1.0 ms, a chain of one 1.2 ms; acceptance 0.3
     measured over many steps: a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms, 8% over depth 0.

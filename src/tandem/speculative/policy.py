@@ -37,8 +37,9 @@ catch-ups; running requests drop their draft state once the same holds for their
 batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
 step that drafts for others a dormant row counts as a row that accepts nothing (its drafts come from no
 state, harmless to the output: the target's tokens decide; they can be NaN, which the tree builder reads
-as -inf). Every SENTINEL_EVERY-th request keeps its draft, so acceptance stays measured (its probes), and
-new requests draft again once it pays.
+as -inf). One request in SENTINEL_EVERY or more (`sentinel_spacing`: as many as keep its upkeep within
+SENTINEL_BUDGET) keeps its draft, so acceptance stays measured (its probes), and new requests draft again
+once it pays.
 
 Nothing here changes what is generated: every option emits the target's own tokens (speculative/verify.py).
 Only the steps' cost and the accept lengths depend on the choice. Pure Python: unit-tested with a
@@ -69,6 +70,15 @@ TRUSTED_OBSERVATIONS = 10
 # alone runs plain decoding's step. Probes are as frequent either way (one per probe interval of a batch
 # size, observing every drafting row); what a rarer sentinel delays is noticing that acceptance rose.
 SENTINEL_EVERY = 32
+# And fewer where a sentinel costs more: while one runs, its batch takes depth-0 steps (the draft's features
+# kept, catch-ups) instead of plain decoding's step, so the whole batch pays the difference. A sentinel
+# comes once per so many admissions that this upkeep stays within SENTINEL_BUDGET of the engine's time:
+# B x (depth 0's step + its catch-up share - a dormant step) / a dormant step / SENTINEL_BUDGET, at least
+# SENTINEL_EVERY (`sentinel_spacing`). With one in 32 the demo pair's batches of 32 on an H200 (each one
+# holding a sentinel) never ran a dormant step, and at temperature 1, every row but the sentinel dormant,
+# ran 0.96x plain decoding (depth 0 0.78 ms a step against 0.73 dormant; bench/results/
+# sampling_demo_h200_session13.json).
+SENTINEL_BUDGET = 0.005
 DORMANT_MIN_OBSERVATIONS = 8
 # How sure the engine must be that drafting does not pay: the rate of position 1 (which gates every deeper
 # one) counts at the upper end of its one-sided 95% Wilson interval (z = 1.64) over the observations
@@ -499,8 +509,8 @@ class DepthPolicy:
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
         does not pay (`_drafting_cannot_pay`, at the acceptance of its sampling class: `sampled`,
         temperature > 0) once the draft's prefill of `prompt_tokens` is paid for out of what drafting saves
-        over `max_new_tokens` (`prefill_share_ms`); every SENTINEL_EVERY-th request keeps its draft all
-        the same. `finish_together`: the request runs exactly max_new_tokens in a batch that nothing queued
+        over `max_new_tokens` (`prefill_share_ms`); one in `sentinel_spacing` keeps its draft all the
+        same. `finish_together`: the request runs exactly max_new_tokens in a batch that nothing queued
         will refill, so the batch goes at its slowest row's pace (`slowest_row_rate`)."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
@@ -511,8 +521,9 @@ class DepthPolicy:
             self.sampled.discard(request_id)
         if not self.dormancy or not self._evidence_enough(padded_batch, sampled):
             return False
-        self._admitted += 1
-        if self._admitted % SENTINEL_EVERY == 0:
+        self._admitted += 1  # (since the last sentinel)
+        if self._admitted >= self.sentinel_spacing(padded_batch):
+            self._admitted = 0
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
@@ -521,6 +532,15 @@ class DepthPolicy:
             return False
         self.dormant.add(request_id)
         return True
+
+    def sentinel_spacing(self, padded_batch: int) -> int:
+        """Admissions per sentinel for a request joining a batch of this padded size (SENTINEL_BUDGET)."""
+        depth0 = self.cost_ms.get((padded_batch, self.options[0]))
+        if depth0 is None:
+            return SENTINEL_EVERY
+        dormant = self.dormant_step_ms(padded_batch, depth0)
+        upkeep = depth0 + self.catch_up_per_step_ms.get(padded_batch, 0.0) - dormant
+        return max(SENTINEL_EVERY, math.ceil(padded_batch * upkeep / max(dormant, 1e-6) / SENTINEL_BUDGET))
 
     def slowest_row_rate(self, rows: int, sampled: bool) -> float | None:
         """Position 1's rate of the slowest of `rows` rows: the 1 / (rows + 1) quantile of the rates the
