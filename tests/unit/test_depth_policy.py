@@ -641,6 +641,29 @@ def test_sentinels_come_as_rarely_as_their_upkeep_asks():
     assert p.sentinel_spacing(1) == 183
 
 
+@pytest.mark.parametrize("depth0_observations", [2, 10])
+def test_a_cheap_option_timed_in_a_slow_stretch_is_re_timed(depth0_observations):
+    """Batch 1 timed online (a CPU): chains of one, two and three at 13.8, 16.9 and 17.0 ms (ten steps each),
+    depth 0 at 12.35 ms from two steps in a slow stretch. At acceptance 0.5 the chain of three is chosen
+    (1.875 / 17.0 = 0.110 tokens per ms against 1 / 12.35 = 0.081). Depth 0, cheaper and timed fewer than
+    TRUSTED_OBSERVATIONS times, is re-run once 16 steps (UNTRUSTED_REFRESH_EVERY) went without it; its 7.5 ms step then
+    replaces the cost (a faster step), and depth 0 wins (0.133). Timed ten times, its cost is trusted: no
+    refresh comes in those steps (it is 26% under the choice's rate, past REFRESH_MARGIN)."""
+    p = DepthPolicy(D, tree=False, probe_every=10**9)
+    for shape, ms in zip(p.options, [12.35, 13.8, 16.9, 17.0]):
+        for _ in range(depth0_observations if shape.depth == 0 else 10):
+            p.observe_time(1, shape, ms)
+    set_acceptance(p, [0.5, 0.5, 0.5])
+    choices = [p.choose(["r"], 1) for _ in range(17)]
+    if depth0_observations == 10:
+        assert choices == [DraftShape(3)] * 17
+        return
+    assert choices[:-1] == [DraftShape(3)] * 16 and choices[-1] == DraftShape(0)
+    p.observe_time(1, DraftShape(0), 7.5)
+    assert p.cost_ms[(1, DraftShape(0))] == 7.5
+    assert p.choose(["r"], 1) == DraftShape(0)
+
+
 def test_a_new_requests_draft_prefill_is_paid_out_of_what_drafting_saves():
     """Admission weighs the draft's prefill. Costs: depth 0 1.0 ms, a chain of one 1.2 ms; acceptance 0.3
     measured over many steps: a chain of one gives 1.3 / 1.2 = 1.083 tokens per ms, 8% over depth 0.

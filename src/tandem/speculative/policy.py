@@ -112,16 +112,16 @@ DORMANT_SETTLED_STEPS = 64
 # chose depth 0 for every step of five 96-token runs, kept their drafts (a draft prefill and catch-ups)
 # and ran 0.87x plain decoding: the sampled class had one observation (bench/results/
 # sampling_demo_h200_session13_slowest.json).
-# A request that joins a batch which will finish together (fixed-length rows, nothing queued to refill it)
-# is judged at the pace of the batch's slowest row: position 1's rate at the 1 / (B + 1) quantile of the
-# rates that the last SLOWEST_ROW_REQUESTS_KEPT finished requests of its class showed over their own drafts
-# (B: the padded batch; the median for one row), once SLOWEST_ROW_MIN_REQUESTS have (one batch of four). Such a batch is done
-# when its slowest row is, and requests differ: on a CPU the demo pair's requests over random-token prompts
-# accept a_1 = 0.55-0.65 engine-wide, at which a chain of one pays at batch 4 (23 ms against depth 0's 17,
-# 1.6 tokens against 1), but its batches of four drafted chains of one and two at the pace of a row that
-# accepted less, 1.37 tokens a step, and ran 0.87-0.95x plain decoding run after run. Each row's own
-# rate counts only the positions it drafted, so a chance low (or high) one is a sample of what the next
-# batch's slowest row will do, the within-request noise included, which the engine-wide rate leaves out.
+# A request that joins a batch which will finish together (fixed-length rows, nothing queued to refill it) is
+# judged at the pace of the batch's slowest row: position 1's rate at the 1 / (B + 1) quantile of the rates
+# that the last SLOWEST_ROW_REQUESTS_KEPT finished requests of its class showed over their own drafts (B: the
+# padded batch; the median for one row), once SLOWEST_ROW_MIN_REQUESTS have (one batch of four). Such a batch
+# is done when its slowest row is, and requests differ: on a CPU the demo pair's requests over random-token
+# prompts accept a_1 = 0.55-0.65 engine-wide, at which a chain of one pays at batch 4 (23 ms against depth 0's
+# 17, 1.6 tokens against 1), but its batches of four drafted chains of one and two at the pace of a row that
+# accepted less, 1.37 tokens a step, and ran 0.87-0.95x plain decoding run after run. Each row's own rate
+# counts only the positions it drafted, so a chance low (or high) one is a sample of what the next batch's
+# slowest row will do, the within-request noise included, which the engine-wide rate leaves out.
 SLOWEST_ROW_REQUESTS_KEPT = 64
 SLOWEST_ROW_MIN_REQUESTS = 4
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
@@ -135,6 +135,15 @@ SLOWEST_ROW_MIN_REQUESTS = 4
 REFRESH_EVERY = 128
 REFRESH_MARGIN = 0.05
 REFRESH_WEIGHT = 0.5
+# Costs timed online (a CPU; a batch size without graphs) start from a few steps, and a slow stretch of the
+# machine in those steps is corrected only if the option runs again. So while an option has fewer than
+# TRUSTED_OBSERVATIONS observations at a table, a faster step replaces its cost (timing noise only adds:
+# a cost set too low makes its option run, and so corrects itself), and one that is cheaper per step than
+# the choice is refreshed every UNTRUSTED_REFRESH_EVERY steps whatever its rate (one step of it forgoes at
+# most the tokens a dearer step would have added). On a CPU the demo pair's first two depth-0 steps at batch
+# 1 once ran in a slow stretch (12.4 ms against 7.5): chains of three drafted every run after that, never
+# re-timing depth 0, at 0.93-0.96x plain (bench/results/cpu-demo-session13-sentinel/run-3.json).
+UNTRUSTED_REFRESH_EVERY = 16
 # A dormant step's cost is corrected only by dormant steps, and none runs at a batch size while its rows
 # draft (dropping drafts is for good, so it cannot be re-run the way an option's cost is refreshed). A
 # value learned in a slow stretch of the host then decides for as long as that size drafts: on an H200 the
@@ -309,8 +318,8 @@ class DepthPolicy:
         self.catch_up_per_step_ms: dict = {}
         self._steps_since_probe: dict[int, int] = {}
         self._steps: dict = {}  # table -> steps chosen at it
-        # (batch's class sampled?, table) -> steps in a row whose choice (probes aside) was depth 0
-        self._undrafted_steps: dict = {}
+        # (batch's class sampled?, table) -> steps in a row whose choice (probes aside) was depth 0: set in
+        # reset_acceptance
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
         # table -> (request ids, repeats left, step count when a refresh falls due, its _undrafted_steps key)
@@ -341,6 +350,9 @@ class DepthPolicy:
         # min_request_obs observations of it (`slowest_row_rate`)
         self._finished_rates = {False: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT),
                                 True: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT)}
+        # (sampled?, table) -> depth-0 choices in a row: judged at the rates being reset, they must not stand
+        # in for observations of the new ones (`_evidence_enough`)
+        self._undrafted_steps = {}
         self._repeatable = {}
 
     def _class(self, sampled: bool | None) -> _ClassRates:
@@ -462,6 +474,8 @@ class DepthPolicy:
         if count >= 2:
             ms = min(ms, OUTLIER_RATIO * old)
         w = max(self.decay, 1.0 / max(count, 1))
+        if count < TRUSTED_OBSERVATIONS and old is not None and ms < old:
+            w = 1.0  # (see UNTRUSTED_REFRESH_EVERY)
         if key in self._refreshing:
             self._refreshing.discard(key)
             w = max(w, REFRESH_WEIGHT)
@@ -916,10 +930,21 @@ class DepthPolicy:
 
     def _refresh(self, padded_batch, best: DraftShape, rate) -> DraftShape:
         """The option to run in place of `best` to re-time it: the best-rated one within REFRESH_MARGIN
-        of `best` that has not run at this table for REFRESH_EVERY steps (see REFRESH_EVERY), else best."""
+        of `best` that has not run at this table for REFRESH_EVERY steps (see REFRESH_EVERY), or one
+        cheaper than `best` timed fewer than TRUSTED_OBSERVATIONS times that has not run for
+        UNTRUSTED_REFRESH_EVERY steps (see there); else best."""
         steps, floor = self._steps.get(padded_batch, 0), rate(best) * (1 - REFRESH_MARGIN)
-        stale = [s for s in self.options if s != best and rate(s) >= floor
-                 and steps - self._run_at.get((padded_batch, s), 0) >= REFRESH_EVERY]
+        cost, seen = self.cost_ms, self._time_seen
+        best_cost = cost[(padded_batch, best)]
+
+        def due(s):
+            idle = steps - self._run_at.get((padded_batch, s), 0)
+            if rate(s) >= floor and idle >= REFRESH_EVERY:
+                return True
+            return (cost[(padded_batch, s)] < best_cost and seen.get((padded_batch, s), 0) < TRUSTED_OBSERVATIONS
+                    and idle >= UNTRUSTED_REFRESH_EVERY)
+
+        stale = [s for s in self.options if s != best and due(s)]
         if not stale:
             return best
         shape = max(stale, key=rate)
