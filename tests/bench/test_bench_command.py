@@ -49,6 +49,19 @@ def test_spec_off_only_and_no_plots(bench, tiny_pair):
     assert record["model"]["draft"] is None and record["model"]["load_format"] == "safetensors"
 
 
+def test_paths_under_the_current_directory_are_recorded_relative(bench, tiny_pair, monkeypatch):
+    # A record kept in a repository must not carry the checkout's location; paths elsewhere stay as given.
+    root = os.path.dirname(tiny_pair[0])
+    monkeypatch.chdir(root)
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--speculative-algorithm", "EAGLE3",
+                             "--speculative-draft-model-path", tiny_pair[1], "--batch-sizes", "1",
+                             "--input-len", "5", "--output-len", "4", "--no-plots")
+    assert rc == 0
+    assert record["model"]["model_path"] == "target" and record["model"]["draft"]["path"] == "eagle3"
+    assert record["engine_args"]["speculative_draft_model_path"] == "eagle3"
+    assert os.path.isabs(record["json"]) and not record["json"].startswith(root)  # (--out lies outside root)
+
+
 def test_repeats_report_the_median_and_keep_every_run(bench, tiny_pair):
     rc, record, _, _ = bench("--model-path", tiny_pair[0], "--spec", "off", "--batch-sizes", "2",
                              "--input-len", "5", "--output-len", "6", "--no-plots", "--repeats", "3")

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 
 
 def write_json(result: dict, path: str) -> None:
+    """The record at `path`, paths under the current directory written relative to it: a record is kept in
+    the repository, where the checkout's own location means nothing to the next reader."""
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(relative_paths(result, os.getcwd()), f, indent=1)
+
+
+def relative_paths(value, root: str):
+    """`value` with every string that is an absolute path under `root` made relative to it (dicts, lists)."""
+    if isinstance(value, dict):
+        return {k: relative_paths(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(v, root) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        inside = os.path.commonpath([root, os.path.normpath(value)]) == root
+        return os.path.relpath(value, root) if inside else value
+    return value
 
 
 def plot(result: dict, stem: str) -> list[str]:

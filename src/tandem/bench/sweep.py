@@ -10,13 +10,12 @@ prior at each point (a fresh deployment); its cost table, timed at start-up, sta
 from __future__ import annotations
 
 import gc
-import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 
-from tandem.bench import synthetic
+from tandem.bench import report, synthetic
 from tandem.bench.measure import median_of_runs, random_prompts, run_batch
 
 SWEEP_ACCEPTANCE = (0.0, 0.3, 0.6, 0.81, 0.95)
@@ -111,8 +110,7 @@ def run_sweep(cfg: SweepConfig) -> dict:
 
 def _save(result: dict, path: str) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(result, tmp)
     os.replace(tmp, path)
 
 
