@@ -583,14 +583,18 @@ def test_dormancy_takes_the_estimate_once_the_batch_has_stayed_at_depth_0():
     assert not p.admit("elsewhere", 16)
 
 
-def test_a_batch_that_finishes_together_is_judged_at_its_slowest_rows_rate():
+def test_a_batch_that_finishes_together_is_judged_at_its_slowest_rows_pace():
     """Costs 17 / 23 / 29 / 34 ms at batch 4 (the demo pair's on a CPU), engine-wide acceptance 0.6, 0.7,
     0.7: by the engine's rates a chain of one pays (1.6 / 23 = 0.070 tokens per ms against a dormant row's
-    1 / 17 = 0.059). Four finished requests showed 14, 13, 4 and 12 hits of 20 at position 1. A request
-    joining a batch of four that finishes together goes at the slowest row's pace, the 1/5 quantile of
-    those rates, 0.2: a chain of one gives 1.2 / 23 = 0.052, two 1.34 / 29 = 0.046, three 1.438 / 34 =
-    0.042, all under 0.059 (dormant). Alone (the median, 0.65: 1.65 / 23 = 0.072) or in a batch that a
-    queue refills (the engine's rates), it keeps its draft; with three finished requests, too few, too."""
+    1 / 17 = 0.059). Four finished requests showed 14, 13, 4 and 12 hits of 20 at position 1 and none at
+    position 2 (tried after each hit); none tried position 3, which takes the class's 0.7 as one try. Their
+    expected tokens by depth: [1, 1.7, 1.7, 1.7], [1, 1.65, 1.65, 1.65], [1, 1.6, 1.6, 1.6] and, for the
+    one with 4 hits (position 2: 0 of 4 tries, fewer than 8, so (0 + 0.7) / 5 = 0.14), [1, 1.2, 1.228,
+    1.2476]. A request joining a batch of four that finishes together goes at the slowest row's pace, the
+    1/5 quantile at each depth (the lowest of four): a chain of one gives 1.2 / 23 = 0.052, two 1.228 / 29
+    = 0.042, three 1.2476 / 34 = 0.037, all under 0.059 (dormant). Alone (the median, 1.65 at every depth,
+    capped by the engine's 1.6 for a chain of one: 1.6 / 23 = 0.070) or in a batch that a queue refills
+    (the engine's rates), it keeps its draft; with three finished requests, too few, too."""
     p = policy_with_costs({1: [17.0, 23.0, 29.0, 34.0], 4: [17.0, 23.0, 29.0, 34.0]}, probe_every=10**9)
     for n, hits in enumerate([14, 13, 4, 12]):
         if n == 3:
@@ -598,11 +602,37 @@ def test_a_batch_that_finishes_together_is_judged_at_its_slowest_rows_rate():
         p.observe_step(DraftShape(3), [f"done{n}"] * 20, [2] * hits + [1] * (20 - hits))  # (20 tries of position 1)
         set_acceptance(p, [0.6, 0.7, 0.7])
         p.forget([f"done{n}"])
-    assert p.slowest_row_rate(4, False) == 0.2 and p.slowest_row_rate(1, False) == 0.65
+    assert p.slowest_row_expected(4, False) == pytest.approx([1.0, 1.2, 1.228, 1.2476])
+    assert p.slowest_row_expected(1, False) == pytest.approx([1.0, 1.65, 1.65, 1.65])
     assert p.admit("joins four", 4, finish_together=True)
     assert not p.admit("refilled batch", 4)
     assert not p.admit("alone", 1, finish_together=True)
-    assert p.slowest_row_rate(4, True) is None  # (sampled requests keep rates of their own)
+    assert p.slowest_row_expected(4, True) is None  # (sampled requests keep rates of their own)
+
+
+def test_the_slowest_row_is_judged_at_its_own_deeper_rates_too():
+    """The demo pair's batch of four on a CPU (costs 8.56 / 13.1 / 16.9 / 18.5 ms, a dormant row's step
+    8.56, its draft prefill 0.169 ms a step, engine-wide acceptance 0.657, 0.9, 0.75): the engine's deeper
+    rates come mostly from rows that accept position 1 often. Four finished requests, each 40 tries of
+    position 1: three accept each position at about 0.75 (30 of 40, 22 of 30, 16 of 22), one 20 of 40, then
+    6 of 20 and 1 of 6 (six tries, short of 8: (1 + 0.75) / 7 = 0.25). With position 1 alone taken from the
+    slowest (0.5) and the engine's deeper rates, a chain of three would promise 1 + 0.5 + 0.45 + 0.3375 =
+    2.2875 tokens, 2.2875 / 18.5 = 0.1236 per ms against a dormant row's 1 / (8.56 - 0.169) = 0.1192: kept.
+    At its own rates the slowest makes 1, 1.5, 1.65, 1.6875: a chain of one 1.5 / 13.1 = 0.1145, two 1.65 /
+    16.9 = 0.0976, three 1.6875 / 18.5 = 0.0912, all under 0.1192, so a request joining four is admitted
+    dormant."""
+    p = policy_with_costs({4: [8.56, 13.1, 16.9, 18.5]}, probe_every=10**9)
+    p.observe_dormant_time(4, 8.56, weight=1.0)
+    rows = {"fast0": (30, 22, 16), "fast1": (30, 22, 16), "fast2": (30, 22, 16), "slow": (20, 6, 1)}
+    for rid, (h1, h2, h3) in rows.items():
+        # Accept lengths: 40 - h1 rejected at position 1, h1 - h2 at 2, h2 - h3 at 3, h3 accepting all three.
+        lens = [1] * (40 - h1) + [2] * (h1 - h2) + [3] * (h2 - h3) + [4] * h3
+        p.observe_step(DraftShape(3), [rid] * 40, lens)
+        set_acceptance(p, [0.657, 0.9, 0.75])
+        p.forget([rid])
+    assert p.slowest_row_expected(4, False) == pytest.approx([1.0, 1.5, 1.65, 1.6875])
+    p.observe_draft_prefill(64, 64 * 0.169 / 4)  # (0.169 ms a step for 4 rows of 64 prompt tokens over 64 steps)
+    assert p.admit("joins four", 4, prompt_tokens=64, max_new_tokens=64, finish_together=True)
 
 
 def test_a_batch_at_depth_0_from_the_start_goes_dormant_without_observations():
@@ -836,3 +866,51 @@ def test_a_dormant_step_counts_at_no_more_than_a_depth_0_step():
     set_acceptance(p, [0.7, 0.64, 0.66])
     assert p.dormant_step_ms(1, untimed=0.0) == pytest.approx(6.0)
     assert p.admit("dormant", 1)
+
+
+def test_a_batch_job_is_judged_by_what_its_size_made_before():
+    """Costs 8.56 / 13.1 / 16.9 / 18.5 ms at batch 4 (the demo pair's on a CPU), a dormant row 8.56, engine-wide
+    acceptance 0.7 (settled). Eight finished requests of one prompt run alone made a_1 = 0.7 (14 of 20, none
+    deeper: [1, 1.7, 1.7, 1.7]). Then a batch of four; its rows make a_1 = 0.7, 0.65, 0.6 and 0.4 (8 of 20).
+    Among the twelve finished requests the 1/5 quantile (index 12 // 5 = 2) is 1.65 at a chain of one:
+    1.65 / 13.1 = 0.126 per ms against the dormant row's 1 / 8.56 = 0.117, drafting kept. Where the four
+    were admitted together as a batch job (a cohort), their slowest row made 1.4: 1.4 / 13.1 = 0.107, so the
+    next request joining a batch job of four is admitted dormant; where they joined a batch that a queue
+    refills (no cohort), the quantile decides. A request joining a batch of one is still judged at the
+    median of the finished requests (1.7)."""
+
+    def policy_after(batch_job: bool) -> DepthPolicy:
+        p = policy_with_costs({1: [8.56, 13.1, 16.9, 18.5], 4: [8.56, 13.1, 16.9, 18.5]}, probe_every=10**9)
+        p.observe_dormant_time(4, 8.56, weight=1.0)
+        p.observe_dormant_time(1, 8.56, weight=1.0)
+
+        def run(rid, hits):  # 20 verify steps at a chain of three: `hits` accept position 1, none deeper
+            p.observe_step(DraftShape(3), [rid] * 20, [2] * hits + [1] * (20 - hits))
+            set_acceptance(p, [0.7, 0.7, 0.7])
+
+        for n in range(8):
+            assert not p.admit(f"alone{n}", 1, finish_together=True)
+            p.choose([f"alone{n}"], 1)
+            run(f"alone{n}", 14)
+            p.forget([f"alone{n}"])
+        rows = {"r0": 14, "r1": 13, "r2": 12, "r3": 8}
+        for rid in rows:
+            assert not p.admit(rid, 4, finish_together=batch_job)
+        p.choose(list(rows), 4)
+        for rid, hits in rows.items():
+            run(rid, hits)
+        p.forget(["r0", "r1"])
+        p.forget(["r3"])
+        if batch_job:  # (r2 still runs: the cohort is not done, the quantile decides)
+            assert p.slowest_row_expected(4, False) == pytest.approx([1.0, 1.7, 1.7, 1.7])
+        p.forget(["r2"])
+        return p
+
+    job, refilled = policy_after(batch_job=True), policy_after(batch_job=False)
+    assert job.slowest_row_expected(4, False) == pytest.approx([1.0, 1.4, 1.4, 1.4])
+    assert refilled.slowest_row_expected(4, False) == pytest.approx([1.0, 1.65, 1.65, 1.65])
+    assert job.admit("next batch job", 4, finish_together=True)
+    assert not refilled.admit("next batch job", 4, finish_together=True)
+    assert not job.admit("refilled batch", 4)  # (not a batch job: the engine's rates, 1.7 / 13.1 = 0.130)
+    assert job.slowest_row_expected(1, False) == pytest.approx([1.0, 1.7, 1.7, 1.7])
+    assert not job.admit("alone again", 1, finish_together=True)

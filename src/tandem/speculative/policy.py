@@ -113,17 +113,32 @@ DORMANT_SETTLED_STEPS = 64
 # and ran 0.87x plain decoding: the sampled class had one observation (bench/results/
 # sampling_demo_h200_session13_slowest.json).
 # A request that joins a batch which will finish together (fixed-length rows, nothing queued to refill it) is
-# judged at the pace of the batch's slowest row: position 1's rate at the 1 / (B + 1) quantile of the rates
+# judged at the pace of the batch's slowest row: at each depth, the 1 / (B + 1) quantile of the expected tokens
 # that the last SLOWEST_ROW_REQUESTS_KEPT finished requests of its class showed over their own drafts (B: the
 # padded batch; the median for one row), once SLOWEST_ROW_MIN_REQUESTS have (one batch of four). Such a batch
 # is done when its slowest row is, and requests differ: on a CPU the demo pair's requests over random-token
 # prompts accept a_1 = 0.55-0.65 engine-wide, at which a chain of one pays at batch 4 (23 ms against depth 0's
 # 17, 1.6 tokens against 1), but its batches of four drafted chains of one and two at the pace of a row that
-# accepted less, 1.37 tokens a step, and ran 0.87-0.95x plain decoding run after run. Each row's own rate
-# counts only the positions it drafted, so a chance low (or high) one is a sample of what the next batch's
-# slowest row will do, the within-request noise included, which the engine-wide rate leaves out.
+# accepted less, 1.37 tokens a step, and ran 0.87-0.95x plain decoding run after run. Each row's own rates
+# count only the positions it drafted, so a chance low (or high) one is a sample of what the next batch's
+# slowest row will do, the within-request noise included, which the engine-wide rate leaves out. Every
+# position counts, not position 1 alone: the engine-wide deeper rates are conditional on position 1's
+# acceptance and so come mostly from the rows that accept often. Taken with the slowest row's position 1
+# they promised the demo pair's batches of four on a CPU 2.58 tokens a chain of three (margin 1.17 over a
+# dormant row); the batches made 1.5 a step and ran 0.85-0.87x plain decoding for the first three of seven
+# runs of every invocation, and one invocation in ten kept its drafts for six (0.90x).
 SLOWEST_ROW_REQUESTS_KEPT = 64
 SLOWEST_ROW_MIN_REQUESTS = 4
+# Where batches of the same size finished together before, what their slowest rows made decides instead: at
+# each depth, the median over the last COHORTS_KEPT such batches (cohorts: the requests admitted together,
+# drafting) of the lowest expected tokens among each one's rows. The quantile above stands for the slowest of
+# B independent requests; a batch job that runs the same prompts again is not that: its slowest row is the
+# same prompt every time. On a CPU the demo pair's batches of four (`tandem bench`, seven runs of four
+# prompts) made 1.38-1.51 tokens a chain of one at their slowest row, run after run, while the 1/5 quantile
+# of the finished requests (the batch-1 prompt's eight runs among them) fell on the second-slowest row,
+# 1.57-1.65: drafting looked 2-10% better than a dormant row's step, and in one invocation of five to ten
+# every run of seven drafted chains of one, at 0.88-0.89x plain decoding.
+COHORTS_KEPT = 8
 # Cost refreshes: an option not run at a batch size for REFRESH_EVERY of its steps, whose expected rate is
 # within REFRESH_MARGIN of the choice's, runs once, and that step's time weighs REFRESH_WEIGHT in its cost.
 # A cost is corrected only by running its option: without refreshes a cost that is too high (one slow
@@ -192,6 +207,16 @@ class _RequestRates:
     outside: list[bool]
     drafting_steps: int = 0
     expected: list[float] | None = None
+
+
+@dataclass
+class _Cohort:
+    """Requests admitted together, drafting, into a batch that finishes together: the ones still running, and
+    the lowest expected tokens by depth among those finished so far (None before the first)."""
+
+    key: tuple  # (sampled?, padded batch)
+    running: set
+    slowest: list[float] | None = None
 
 
 class _ClassRates:
@@ -346,10 +371,16 @@ class DepthPolicy:
         self.rates_by_class = {False: _ClassRates(self.num_steps, self.prior),
                                True: _ClassRates(self.num_steps, self.prior)}
         self._accept_nothing = [1.0] * (self.num_steps + 1)  # a dormant request's expected tokens by depth
-        # sampled? -> position 1's rate (hits / tries) of each of the last finished requests with
-        # min_request_obs observations of it (`slowest_row_rate`)
-        self._finished_rates = {False: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT),
+        # sampled? -> the expected tokens by depth 0..D of each of the last finished requests with
+        # min_request_obs observations of position 1, from its own rates (`slowest_row_expected`)
+        self._finished_expected = {False: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT),
                                 True: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT)}
+        # (sampled?, padded batch) -> the slowest row's expected tokens by depth of each of the last finished
+        # cohorts (COHORTS_KEPT); request id -> its cohort while it runs; (sampled?, padded batch) -> the
+        # cohort that admissions join until the next step is chosen
+        self._cohort_slowest: dict[tuple, deque] = {}
+        self._cohort_of: dict[str, _Cohort] = {}
+        self._open_cohorts: dict[tuple, _Cohort] = {}
         # (sampled?, table) -> depth-0 choices in a row: judged at the rates being reset, they must not stand
         # in for observations of the new ones (`_evidence_enough`)
         self._undrafted_steps = {}
@@ -497,11 +528,15 @@ class DepthPolicy:
         self.catch_up_per_step_ms[key] = new if old is None else old + 0.2 * (new - old)
 
     def forget(self, request_ids) -> None:
-        """Requests that finished or were preempted: their own rate at position 1 is kept (`slowest_row_rate`)."""
+        """Requests that finished or were preempted: their expected tokens by depth are kept
+        (`slowest_row_expected`)."""
         for rid in request_ids:
             req = self._requests.pop(rid, None)
+            own = None
             if req is not None and req.seen[0] >= self.min_request_obs:
-                self._finished_rates[rid in self.sampled].append(req.hits[0] / req.seen[0])
+                own = self._own_expected(req, self._class_of(rid))
+                self._finished_expected[rid in self.sampled].append(own)
+            self._cohort_finished(rid, own)
             self.dormant.discard(rid)
             self.sentinels.discard(rid)
             self.sampled.discard(rid)
@@ -525,14 +560,18 @@ class DepthPolicy:
         temperature > 0) once the draft's prefill of `prompt_tokens` is paid for out of what drafting saves
         over `max_new_tokens` (`prefill_share_ms`); one in `sentinel_spacing` keeps its draft all the
         same. `finish_together`: the request runs exactly max_new_tokens in a batch that nothing queued
-        will refill, so the batch goes at its slowest row's pace (`slowest_row_rate`)."""
+        will refill, so the batch goes at its slowest row's pace (`slowest_row_expected`)."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
+        self._leave_cohort(request_id)
         self._repeatable.clear()
         if sampled:
             self.sampled.add(request_id)
         else:
             self.sampled.discard(request_id)
+        if finish_together and self.dormancy:
+            # (every drafting admission: the first batch's rows are drafted before any judgment can be made)
+            self._join_cohort(request_id, (sampled, padded_batch))
         if not self.dormancy or not self._evidence_enough(padded_batch, sampled):
             return False
         self._admitted += 1  # (since the last sentinel)
@@ -541,9 +580,10 @@ class DepthPolicy:
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
-        slowest = self.slowest_row_rate(padded_batch, sampled) if finish_together else None
+        slowest = self.slowest_row_expected(padded_batch, sampled) if finish_together else None
         if not self._drafting_cannot_pay(padded_batch, upkeep, sampled, slowest):
             return False
+        self._leave_cohort(request_id)  # (a dormant row drafts nothing: its pace is plain decoding's)
         self.dormant.add(request_id)
         return True
 
@@ -556,14 +596,62 @@ class DepthPolicy:
         upkeep = depth0 + self.catch_up_per_step_ms.get(padded_batch, 0.0) - dormant
         return max(SENTINEL_EVERY, math.ceil(padded_batch * upkeep / max(dormant, 1e-6) / SENTINEL_BUDGET))
 
-    def slowest_row_rate(self, rows: int, sampled: bool) -> float | None:
-        """Position 1's rate of the slowest of `rows` rows: the 1 / (rows + 1) quantile of the rates the
-        class's last finished requests showed (SLOWEST_ROW_REQUESTS_KEPT); None with fewer than
-        SLOWEST_ROW_MIN_REQUESTS of them."""
-        rates = self._finished_rates[sampled]
-        if len(rates) < SLOWEST_ROW_MIN_REQUESTS:
+    def slowest_row_expected(self, rows: int, sampled: bool) -> list[float] | None:
+        """The expected tokens by depth 0..D of the slowest of `rows` rows: at each depth, the 1 / (rows + 1)
+        quantile of what the class's last finished requests showed (SLOWEST_ROW_REQUESTS_KEPT); None with
+        fewer than SLOWEST_ROW_MIN_REQUESTS of them. For two rows or more, the median of what the slowest rows
+        of earlier cohorts at this batch made, where any finished (COHORTS_KEPT)."""
+        recorded = self._cohort_slowest.get((sampled, rows)) if rows > 1 else None
+        if recorded:
+            return [sorted(column)[len(recorded) // 2] for column in zip(*recorded)]
+        finished = self._finished_expected[sampled]
+        if len(finished) < SLOWEST_ROW_MIN_REQUESTS:
             return None
-        return sorted(rates)[min(len(rates) - 1, len(rates) // (rows + 1))]
+        at = min(len(finished) - 1, len(finished) // (rows + 1))
+        return [sorted(column)[at] for column in zip(*finished)]
+
+    def _own_expected(self, req: _RequestRates, cls: _ClassRates) -> list[float]:
+        """A finished request's expected tokens by depth from its own hits over tries at each position; where
+        it tried a position fewer than min_request_obs times, its class's rate there counts as prior_weight
+        more tries (a deep position is tried only after the ones before it were accepted: a row that accepts
+        little tries it rarely)."""
+        rates = []
+        for hits, tries, assumed in zip(req.hits, req.seen, cls.effective()):
+            if tries >= self.min_request_obs:
+                rates.append(hits / tries)
+            else:
+                rates.append((hits + self.prior_weight * assumed) / (tries + self.prior_weight))
+        return expected_by_depth(rates)
+
+    def _join_cohort(self, request_id: str, key: tuple) -> None:
+        """A drafting request admitted into a batch that finishes together joins the cohort admitted with it
+        (the requests admitted since the last step was chosen, `_close_cohorts`)."""
+        cohort = self._open_cohorts.get(key)
+        if cohort is None:
+            cohort = self._open_cohorts[key] = _Cohort(key, set())
+        cohort.running.add(request_id)
+        self._cohort_of[request_id] = cohort
+
+    def _leave_cohort(self, request_id: str) -> None:
+        cohort = self._cohort_of.pop(request_id, None)
+        if cohort is not None:
+            cohort.running.discard(request_id)
+
+    def _close_cohorts(self) -> None:
+        """A step is chosen: later admissions start cohorts of their own."""
+        self._open_cohorts.clear()
+
+    def _cohort_finished(self, request_id: str, own: list[float] | None) -> None:
+        """A cohort's row finished (or was preempted) with expected tokens `own` (None: too few observations
+        to tell): once none runs, the cohort's slowest row is recorded for its batch size."""
+        cohort = self._cohort_of.pop(request_id, None)
+        if cohort is None:
+            return
+        cohort.running.discard(request_id)
+        if own is not None:
+            cohort.slowest = own if cohort.slowest is None else [min(a, b) for a, b in zip(cohort.slowest, own)]
+        if not cohort.running and cohort.slowest is not None and self._open_cohorts.get(cohort.key) is not cohort:
+            self._cohort_slowest.setdefault(cohort.key, deque(maxlen=COHORTS_KEPT)).append(cohort.slowest)
 
     def demote(self, request_ids, padded_batch: int) -> list[str]:
         """The requests of a running batch that should drop their draft state now: every one but the
@@ -613,7 +701,7 @@ class DepthPolicy:
         self._draft_prefill.observe(tokens, ms)
 
     def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False,
-                             slowest_rate: float | None = None) -> bool:
+                             slowest: list[float] | None = None) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
         observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
@@ -621,7 +709,8 @@ class DepthPolicy:
         what a batch of dormant rows costs (plain decoding's step, `dormant_step_ms`).
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
-        (`sampled`); position 1's at no more than `slowest_rate` where given (SLOWEST_ROW_REQUESTS_KEPT)."""
+        (`sampled`); each depth's expected tokens at no more than `slowest`'s where given (the slowest row's,
+        SLOWEST_ROW_REQUESTS_KEPT)."""
         costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
         if any(cost is None for cost in costs.values()):
             return False
@@ -630,9 +719,9 @@ class DepthPolicy:
                    or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
         as_estimated = expected_by_depth(cls.effective())
         rates = cls.effective() if settled else self.optimistic_acceptance(sampled)
-        if slowest_rate is not None:
-            rates = [min(rates[0], slowest_rate)] + rates[1:]
         expected = expected_by_depth(rates)
+        if slowest is not None:
+            expected = [min(e, own) for e, own in zip(expected, slowest)]
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = cls.tree_tokens * expected[-1] / as_estimated[-1]
         dormant_step = self.dormant_step_ms(padded_batch, costs[self.options[0]])
@@ -764,6 +853,7 @@ class DepthPolicy:
         the step whose catch-up is due anyway (at most a window of steps), so they cost their own extra
         time only. Each one forced a catch-up of its own before: at batch 32, acceptance 0.3 on an H200
         a probe and a refresh took 3.3 and 2.5 ms over a depth-0 step, 1.2 ms of each a catch-up."""
+        self._close_cohorts()
         padded_batch = _table(padded_batch, constrained)
         untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
         if untimed:
@@ -848,6 +938,7 @@ class DepthPolicy:
         decide: another batch than the last depth-0 choice's at this padded size, an observation, admission
         or finished request since, REPEAT_DEPTH0_STEPS repeats already, or a probe or refresh due. Counts
         the step as `choose` would. For pure decode steps (no prompt chunks) of unconstrained batches."""
+        self._close_cohorts()
         last = self._repeatable.get(padded_batch)
         if last is None or last[1] <= 0 or last[0] != request_ids:
             return None
