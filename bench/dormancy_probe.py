@@ -27,7 +27,7 @@ from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
 from tandem.speculative.policy import expected_by_depth  # noqa: E402
 
 
-def judgment(policy, padded_batch: int, sampled: bool, upkeep_ms: float, answer: bool) -> dict:
+def judgment(policy, padded_batch: int, sampled: bool, upkeep_ms: float, answer: bool, slowest=None) -> dict:
     """What `_drafting_cannot_pay` weighed, recomputed from the policy's state (for the record)."""
     cls = policy.rates_by_class[sampled]
     costs = {s.name: round(policy.cost_ms[(padded_batch, s)], 4) for s in policy.options
@@ -42,6 +42,8 @@ def judgment(policy, padded_batch: int, sampled: bool, upkeep_ms: float, answer:
     return {"batch": padded_batch, "sampled": sampled, "seen_1": cls.seen[0],
             "rates": [round(r, 3) for r in cls.effective()], "costs": costs,
             "dormant_ms": round(dormant, 4) if dormant is not None else None, "upkeep_ms": round(upkeep_ms, 4),
+            "dormant_step_ms": round(policy.dormant_step_ms(padded_batch, costs.get("chain0", 0.0)), 4) if costs else None,
+            "slowest_row": [round(e, 3) for e in slowest] if slowest is not None else None,
             "best_tokens_per_ms": best, "cannot_pay": answer}
 
 
@@ -62,9 +64,9 @@ def main() -> None:
     log: list[dict] = []
     cannot_pay = policy._drafting_cannot_pay
 
-    def traced(padded_batch, upkeep_ms=0.0, sampled=False):
-        answer = cannot_pay(padded_batch, upkeep_ms, sampled)
-        log.append(judgment(policy, padded_batch, sampled, upkeep_ms, answer))
+    def traced(padded_batch, upkeep_ms=0.0, sampled=False, slowest=None):
+        answer = cannot_pay(padded_batch, upkeep_ms, sampled, slowest)
+        log.append(judgment(policy, padded_batch, sampled, upkeep_ms, answer, slowest))
         return answer
 
     policy._drafting_cannot_pay = traced
