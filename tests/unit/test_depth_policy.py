@@ -914,3 +914,32 @@ def test_a_batch_job_is_judged_by_what_its_size_made_before():
     assert not job.admit("refilled batch", 4)  # (not a batch job: the engine's rates, 1.7 / 13.1 = 0.130)
     assert job.slowest_row_expected(1, False) == pytest.approx([1.0, 1.7, 1.7, 1.7])
     assert not job.admit("alone again", 1, finish_together=True)
+
+
+def test_a_drafting_cost_from_its_replay_carries_the_hosts_share_of_depth_0():
+    """Start-up timings at batch 32 (the demo pair's graph replays on an H200): 0.2145 / 0.4466 / 0.4997 /
+    0.6001 ms at depth 0..3. Online, depth 0 and the dormant step take 0.6600 ms (the host's work, which a
+    replay leaves out); the chains never ran online. Sampled requests accept a_1 = a_2 = a_3 = 0.2 (settled).
+    Taken at their replays, a chain of one promises 1.2 / 0.4466 = 2.69 tokens per ms against the dormant
+    row's 1 / 0.66 = 1.52: drafting kept. With the host's share of depth 0 (0.66 - 0.2145 = 0.4455) added,
+    chains of one, two and three give 1.2 / 0.8921 = 1.345, 1.24 / 0.9452 = 1.312 and 1.248 / 1.0456 =
+    1.194, all under 1.52: admitted dormant, and a drafting batch chooses depth 0 (1 / 0.66 = 1.52 against at
+    most 1.345 per row). Without start-up timings (a CPU) the online costs stand as they are."""
+    p = policy_with_costs({32: [0.2145, 0.4466, 0.4997, 0.6001]}, probe_every=10**9)
+    p.cost_ms[(32, DraftShape(0))] = 0.66  # (as many online steps at 0.66 would leave it)
+    for _ in range(3):
+        p.observe_dormant_time(32, 0.66)
+    set_acceptance(p, [0.2, 0.2, 0.2], sampled=True)
+    assert p.admit("sampled", 32, sampled=True)
+    rows = [f"r{i}" for i in range(32)]
+    for rid in rows:
+        p.sampled.add(rid)
+    assert p.choose(rows, 32) == DraftShape(0)
+
+    online = DepthPolicy(D, tree=False, probe_every=10**9)
+    for shape, ms in zip(online.options, [0.66, 0.4466, 0.4997, 0.6001]):  # (timed online: no floor)
+        online.cost_ms[(32, shape)] = ms
+    for _ in range(3):
+        online.observe_dormant_time(32, 0.66)
+    set_acceptance(online, [0.2, 0.2, 0.2], sampled=True)
+    assert not online.admit("sampled", 32, sampled=True)

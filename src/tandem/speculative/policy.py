@@ -193,6 +193,13 @@ REPEAT_DEPTH0_STEPS = 8
 # pair then read 0.36-0.42 ms at batch 1-8 where its steps took 0.25. A real rise still shows: 25% times
 # the weight a step.
 OUTLIER_RATIO = 1.25
+# A drafting option's cost counts at no less than its start-up timing (a graph replay: device work alone) plus
+# what depth 0's online cost adds to depth 0's own start-up timing (the host's work, which a drafting step
+# does all of and more). Options that seldom run keep costs from their replays or from another stretch of
+# the host, while depth 0 and the dormant step are timed all along: on an H200 the demo pair at batch 32 kept
+# a chain of two at 0.64 ms (its replay 0.50) against a depth-0 step of 0.66 and a dormant step of 0.79, so
+# requests at temperature 1 (a_1 = 0.14-0.2) were admitted drafting and ran 0.77-0.91x plain decoding
+# (bench/results/sampling_demo_h200_session15_ab_*.json). With the floor that chain counts at 0.95 ms.
 
 
 @dataclass
@@ -711,9 +718,9 @@ class DepthPolicy:
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
         (`sampled`); each depth's expected tokens at no more than `slowest`'s where given (the slowest row's,
         SLOWEST_ROW_REQUESTS_KEPT)."""
-        costs = {shape: self.cost_ms.get((padded_batch, shape)) for shape in self.options}
-        if any(cost is None for cost in costs.values()):
+        if any((padded_batch, shape) not in self.cost_ms for shape in self.options):
             return False
+        costs = self._floored_costs(padded_batch)
         cls = self.rates_by_class[sampled]
         settled = (cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
                    or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
@@ -1012,11 +1019,26 @@ class DepthPolicy:
         deeper one: a chain of d does a subset of the work of a chain of d + 1 (and depth 0's deferred
         extends are the chain of one's own, batched), so a table that says otherwise holds a stale or
         noisy cost, which must not decide (at acceptance 0 every chain yields what depth 0 yields)."""
-        costs = {shape: self.cost_ms[(padded_batch, shape)] for shape in self.options}
+        costs = self._floored_costs(padded_batch)
         chains = self.options  # (options[d] is the chain of depth d)
         costs[chains[0]] += deferral_ms
         for d in range(self.num_steps - 1, -1, -1):
             costs[chains[d]] = min(costs[chains[d]], costs[chains[d + 1]])
+        return costs
+
+    def _floored_costs(self, table) -> dict[DraftShape, float]:
+        """Each option's cost at this table, a drafting option's at no less than its start-up timing plus the
+        host's share of depth 0's online cost (see after OUTLIER_RATIO). Every option must be timed."""
+        costs = {shape: self.cost_ms[(table, shape)] for shape in self.options}
+        depth0 = self.options[0]
+        depth0_startup = self._startup_ms.get((table, depth0))
+        if depth0_startup is None:
+            return costs  # (nothing replayed at start-up: every cost is an online one)
+        host = max(0.0, costs[depth0] - depth0_startup)
+        for shape in self.options[1:]:
+            startup = self._startup_ms.get((table, shape))
+            if startup is not None:
+                costs[shape] = max(costs[shape], startup + host)
         return costs
 
     def _refresh(self, padded_batch, best: DraftShape, rate) -> DraftShape:
