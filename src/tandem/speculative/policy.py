@@ -23,9 +23,10 @@ observations of position 1 runs the deepest once (`_learning`). A batch of fixed
 nothing queued will refill is done when its slowest request is, so only the rows that can end last count,
 each drafting option charged for the extra steps of the slowest (`_slowest_rows_progress`,
 `_straggler_factors`). And costs can only be corrected by running their option, so no chain counts as
-dearer than a deeper one, a competitive option left unrun is re-timed now and then (`_effective_costs`,
-`_refresh`), and one slow step (a batch's last, a host stall) moves a cost by at most a quarter of its
-weight (OUTLIER_RATIO).
+dearer than a deeper one, no drafting option counts below its start-up replay plus the host's share of
+depth 0's online cost (`_floored_costs`), a competitive option left unrun is re-timed now and then
+(`_effective_costs`, `_refresh`), and one slow step (a batch's last, a host stall) moves a cost by at most a
+quarter of its weight (OUTLIER_RATIO).
 
 Dormant requests: keeping a draft's state costs even while nothing is drafted (its prefill, and a
 catch-up over deferred tokens every CATCH_UP_WINDOW steps: 0.7%, 1.3% and 2.3% of a depth-0 step at batch
@@ -34,6 +35,8 @@ a new request joins (the running one plus the queued requests with room: even wi
 its 95% interval, `optimistic_acceptance`, or at the rates as estimated once settled, and with its draft
 prefill to pay back, `prefill_share_ms`), it is admitted *dormant* (`admit`): no draft prefill, no
 catch-ups; running requests drop their draft state once the same holds for their batch (`demote`). A
+request joining a batch job (fixed-length rows that nothing queued will refill) is judged at the pace of its
+slowest row, as earlier batch jobs of its size showed it (`slowest_row_expected`, COHORTS_KEPT). A
 batch of dormant rows alone runs plain decoding's step (SpecWorker._launch_dormant); in a
 step that drafts for others a dormant row counts as a row that accepts nothing (its drafts come from no
 state, harmless to the output: the target's tokens decide; they can be NaN, which the tree builder reads
@@ -381,7 +384,7 @@ class DepthPolicy:
         # sampled? -> the expected tokens by depth 0..D of each of the last finished requests with
         # min_request_obs observations of position 1, from its own rates (`slowest_row_expected`)
         self._finished_expected = {False: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT),
-                                True: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT)}
+                                   True: deque(maxlen=SLOWEST_ROW_REQUESTS_KEPT)}
         # (sampled?, padded batch) -> the slowest row's expected tokens by depth of each of the last finished
         # cohorts (COHORTS_KEPT); request id -> its cohort while it runs; (sampled?, padded batch) -> the
         # cohort that admissions join until the next step is chosen
