@@ -34,15 +34,18 @@ def judgment(policy, padded_batch: int, sampled: bool, upkeep_ms: float, answer:
              if (padded_batch, s) in policy.cost_ms}
     estimated = expected_by_depth(cls.effective())
     optimistic = expected_by_depth(policy.optimistic_acceptance(sampled))
+    timed = len(costs) == len(policy.options)
+    weighed = policy._floored_costs(padded_batch) if timed else {}  # (the costs the policy weighs)
     best = {}
     for name, expected in (("estimated", estimated), ("optimistic", optimistic)):
-        best[name] = round(max(expected[s.depth] / policy.cost_ms[(padded_batch, s)] for s in policy.options
-                               if s.drafts and (padded_batch, s) in policy.cost_ms), 3) if costs else None
+        best[name] = (round(max(expected[s.depth] / weighed[s] for s in policy.options if s.drafts), 3)
+                      if timed else None)
     dormant = policy.dormant_cost_ms.get(padded_batch)
     return {"batch": padded_batch, "sampled": sampled, "seen_1": cls.seen[0],
             "rates": [round(r, 3) for r in cls.effective()], "costs": costs,
             "dormant_ms": round(dormant, 4) if dormant is not None else None, "upkeep_ms": round(upkeep_ms, 4),
-            "dormant_step_ms": round(policy.dormant_step_ms(padded_batch, costs.get("chain0", 0.0)), 4) if costs else None,
+            "dormant_step_ms": (round(policy.dormant_step_ms(padded_batch, costs.get("chain0", 0.0)), 4)
+                                if costs else None),
             "slowest_row": [round(e, 3) for e in slowest] if slowest is not None else None,
             "best_tokens_per_ms": best, "cannot_pay": answer}
 

@@ -196,13 +196,6 @@ REPEAT_DEPTH0_STEPS = 8
 # pair then read 0.36-0.42 ms at batch 1-8 where its steps took 0.25. A real rise still shows: 25% times
 # the weight a step.
 OUTLIER_RATIO = 1.25
-# A drafting option's cost counts at no less than its start-up timing (a graph replay: device work alone) plus
-# what depth 0's online cost adds to depth 0's own start-up timing (the host's work, which a drafting step
-# does all of and more). Options that seldom run keep costs from their replays or from another stretch of
-# the host, while depth 0 and the dormant step are timed all along: on an H200 the demo pair at batch 32 kept
-# a chain of two at 0.64 ms (its replay 0.50) against a depth-0 step of 0.66 and a dormant step of 0.79, so
-# requests at temperature 1 (a_1 = 0.14-0.2) were admitted drafting and ran 0.77-0.91x plain decoding
-# (bench/results/sampling_demo_h200_session15_ab_*.json). With the floor that chain counts at 0.95 ms.
 
 
 @dataclass
@@ -613,12 +606,11 @@ class DepthPolicy:
         of earlier cohorts at this batch made, where any finished (COHORTS_KEPT)."""
         recorded = self._cohort_slowest.get((sampled, rows)) if rows > 1 else None
         if recorded:
-            return [sorted(column)[len(recorded) // 2] for column in zip(*recorded)]
+            return _order_statistic_by_depth(recorded, len(recorded) // 2)
         finished = self._finished_expected[sampled]
         if len(finished) < SLOWEST_ROW_MIN_REQUESTS:
             return None
-        at = min(len(finished) - 1, len(finished) // (rows + 1))
-        return [sorted(column)[at] for column in zip(*finished)]
+        return _order_statistic_by_depth(finished, min(len(finished) - 1, len(finished) // (rows + 1)))
 
     def _own_expected(self, req: _RequestRates, cls: _ClassRates) -> list[float]:
         """A finished request's expected tokens by depth from its own hits over tries at each position; where
@@ -654,12 +646,13 @@ class DepthPolicy:
     def _cohort_finished(self, request_id: str, own: list[float] | None) -> None:
         """A cohort's row finished (or was preempted) with expected tokens `own` (None: too few observations
         to tell): once none runs, the cohort's slowest row is recorded for its batch size."""
-        cohort = self._cohort_of.pop(request_id, None)
+        cohort = self._cohort_of.get(request_id)
         if cohort is None:
             return
-        cohort.running.discard(request_id)
+        self._leave_cohort(request_id)
         if own is not None:
             cohort.slowest = own if cohort.slowest is None else [min(a, b) for a, b in zip(cohort.slowest, own)]
+        # (a cohort still open, whose rows all ended before any step, could gain rows yet: not recorded)
         if not cohort.running and cohort.slowest is not None and self._open_cohorts.get(cohort.key) is not cohort:
             self._cohort_slowest.setdefault(cohort.key, deque(maxlen=COHORTS_KEPT)).append(cohort.slowest)
 
@@ -1030,8 +1023,15 @@ class DepthPolicy:
         return costs
 
     def _floored_costs(self, table) -> dict[DraftShape, float]:
-        """Each option's cost at this table, a drafting option's at no less than its start-up timing plus the
-        host's share of depth 0's online cost (see after OUTLIER_RATIO). Every option must be timed."""
+        """Each option's cost at this table, a drafting option's at no less than its start-up timing (a graph
+        replay: device work alone) plus what depth 0's online cost adds to depth 0's own start-up timing (the
+        host's work, which a drafting step does all of and more). Every option must be timed.
+
+        Options that seldom run keep costs from their replays or from another stretch of the host, while depth
+        0 and the dormant step are timed all along: on an H200 the demo pair at batch 32 kept a chain of two at
+        0.64 ms (its replay 0.50) against a depth-0 step of 0.66 and a dormant step of 0.79, so requests at
+        temperature 1 (a_1 = 0.14-0.2) were admitted drafting and ran 0.77-0.91x plain decoding
+        (bench/results/sampling_demo_h200_session15_ab_*.json). With the floor that chain counts at 0.95 ms."""
         costs = {shape: self.cost_ms[(table, shape)] for shape in self.options}
         depth0 = self.options[0]
         depth0_startup = self._startup_ms.get((table, depth0))
@@ -1073,6 +1073,11 @@ class DepthPolicy:
         cost = self.cost_ms[(padded_batch, chosen)]
         extra = max(0.0, self.cost_ms[(padded_batch, probe)] - cost)
         return max(self.probe_every, math.ceil(extra / (self.probe_budget * cost)))
+
+
+def _order_statistic_by_depth(expected_rows, at: int) -> list[float]:
+    """At each depth, the `at`-th smallest of the rows' expected tokens there."""
+    return [sorted(column)[at] for column in zip(*expected_rows)]
 
 
 def _table(padded_batch: int, constrained: bool):
