@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tandem.layers.sampler import SamplingFeatures, step_mode
 from tandem.request import SamplingParams
 
 
@@ -80,6 +81,13 @@ def median_of_runs(runs: list[RunMetrics]) -> dict:
     out["runs"] = rows
     out.pop("step_trace", None)  # (one run's; each run keeps its own)
     return out
+
+
+def upper_median(values):
+    """The median of the values that are not None (the upper one for an even count, as median_of_runs); None
+    where there are none."""
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def rounded(v):
@@ -224,7 +232,8 @@ class BatchRun:
                 metrics.steps_by_depth = [a - b for a, b in zip(after[3], old_steps)]
                 metrics.catch_ups, metrics.dormant_admitted = after[4] - before[4], after[5] - before[5]
                 metrics.dormant_demoted, metrics.dormant_steps = after[6] - before[6], after[7] - before[7]
-                row = spec.policy.cost_row(spec.padded_batch(len(self.prompts)))
+                mode = step_mode(SamplingFeatures.of([self.params]))  # (the run's cost table)
+                row = spec.policy.cost_row(spec.padded_batch(len(self.prompts)), mode)
                 metrics.policy_costs_ms = {k: round(v, 4) for k, v in row.items()}
         return metrics, tokens
 

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.bench import report, synthetic
-from tandem.bench.measure import BatchRun, median_of_runs, random_prompts, rounded, run_batch, run_in_lockstep
+from tandem.bench.measure import (BatchRun, median_of_runs, random_prompts, rounded, run_batch, run_in_lockstep,
+                                  upper_median)
 from tandem.bench.presets import PRESETS, write_preset
 
 MODES = ("spec_on", "spec_off")
@@ -197,10 +198,6 @@ def _speedups(on: dict, off: dict, paired: bool) -> dict:
     Sequential runs have no pairs: the ratio of the medians."""
     def ratio(a, b):
         return a / b if a and b else None
-
-    def upper_median(values):
-        values = sorted(v for v in values if v is not None)
-        return values[len(values) // 2] if values else None
 
     if paired and "runs" in on and "runs" in off:
         pairs = list(zip(on["runs"], off["runs"]))
