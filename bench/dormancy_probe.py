@@ -24,27 +24,28 @@ from sampling_bench import MODES, engine_kwargs  # noqa: E402
 
 from tandem import Engine  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
-from tandem.speculative.policy import expected_by_depth  # noqa: E402
+from tandem.speculative.policy import GREEDY_MODE, expected_by_depth  # noqa: E402
 
 
-def judgment(policy, padded_batch: int, sampled: bool, upkeep_ms: float, answer: bool, slowest=None) -> dict:
-    """What `_drafting_cannot_pay` weighed, recomputed from the policy's state (for the record)."""
+def judgment(policy, table, sampled: bool, upkeep_ms: float, answer: bool, slowest=None) -> dict:
+    """What `_drafting_cannot_pay` weighed at a cost table (padded batch and sampling mode), recomputed from
+    the policy's state (for the record)."""
     cls = policy.rates_by_class[sampled]
-    costs = {s.name: round(policy.cost_ms[(padded_batch, s)], 4) for s in policy.options
-             if (padded_batch, s) in policy.cost_ms}
+    costs = {s.name: round(policy.cost_ms[(table, s)], 4) for s in policy.options if (table, s) in policy.cost_ms}
     estimated = expected_by_depth(cls.effective())
     optimistic = expected_by_depth(policy.optimistic_acceptance(sampled))
     timed = len(costs) == len(policy.options)
-    weighed = policy._floored_costs(padded_batch) if timed else {}  # (the costs the policy weighs)
+    weighed = policy._floored_costs(table) if timed else {}  # (the costs the policy weighs)
     best = {}
     for name, expected in (("estimated", estimated), ("optimistic", optimistic)):
         best[name] = (round(max(expected[s.depth] / weighed[s] for s in policy.options if s.drafts), 3)
                       if timed else None)
-    dormant = policy.dormant_cost_ms.get(padded_batch)
-    return {"batch": padded_batch, "sampled": sampled, "seen_1": cls.seen[0],
+    dormant = policy.dormant_cost_ms.get(table)
+    batch, mode = (table, GREEDY_MODE) if isinstance(table, int) else (table[1], table[0])
+    return {"batch": batch, "mode": mode, "sampled": sampled, "seen_1": cls.seen[0],
             "rates": [round(r, 3) for r in cls.effective()], "costs": costs,
             "dormant_ms": round(dormant, 4) if dormant is not None else None, "upkeep_ms": round(upkeep_ms, 4),
-            "dormant_step_ms": (round(policy.dormant_step_ms(padded_batch, costs.get("chain0", 0.0)), 4)
+            "dormant_step_ms": (round(policy.dormant_step_ms(table, costs.get("chain0", 0.0)), 4)
                                 if costs else None),
             "slowest_row": [round(e, 3) for e in slowest] if slowest is not None else None,
             "best_tokens_per_ms": best, "cannot_pay": answer}
@@ -67,9 +68,9 @@ def main() -> None:
     log: list[dict] = []
     cannot_pay = policy._drafting_cannot_pay
 
-    def traced(padded_batch, upkeep_ms=0.0, sampled=False, slowest=None):
-        answer = cannot_pay(padded_batch, upkeep_ms, sampled, slowest)
-        log.append(judgment(policy, padded_batch, sampled, upkeep_ms, answer, slowest))
+    def traced(table, upkeep_ms=0.0, sampled=False, slowest=None):
+        answer = cannot_pay(table, upkeep_ms, sampled, slowest)
+        log.append(judgment(policy, table, sampled, upkeep_ms, answer, slowest))
         return answer
 
     policy._drafting_cannot_pay = traced

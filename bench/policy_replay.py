@@ -19,7 +19,9 @@ from tandem import Engine  # noqa: E402
 from tandem.bench import synthetic  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
-from tandem.speculative.policy import DepthPolicy  # noqa: E402
+from tandem.layers.sampler import SamplingFeatures, step_mode  # noqa: E402
+from tandem.request import SamplingParams  # noqa: E402
+from tandem.speculative.policy import DepthPolicy, cost_table  # noqa: E402
 
 
 def main() -> None:
@@ -44,9 +46,10 @@ def main() -> None:
                     max_running_requests=max(ns.batch_sizes), context_length=64 + ns.output_len + 16)
     policy = engine.runner.spec.policy
     charge = 0.007 * ns.cost_ms[0] if ns.catch_up_ms is None else ns.catch_up_ms
+    mode = step_mode(SamplingFeatures.of([SamplingParams(temperature=ns.temperature)]))  # (the runs' cost tables)
     for bs in range(1, max(ns.batch_sizes) + 1):
         for shape in policy.options:
-            policy.cost_ms[(bs, shape)] = ns.cost_ms[shape.depth]
+            policy.cost_ms[(cost_table(bs, mode), shape)] = ns.cost_ms[shape.depth]
         policy.catch_up_per_step_ms[bs] = charge
     vocab = engine.arch.vocab_size
     for b in ns.batch_sizes:

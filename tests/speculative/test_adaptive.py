@@ -7,7 +7,7 @@ settle on the full depth when every draft is accepted (the target drafting for i
 import pytest
 
 from tandem import Engine, SamplingParams
-from tandem.speculative.policy import DepthPolicy
+from tandem.speculative.policy import DepthPolicy, cost_table
 from tests.speculative.conftest import CHAIN, ENGINE, TREE
 from tests.speculative.scripted_policy import ScriptedChoice
 from tests.speculative.test_seeded_speculative import BATCH, params_mix, plain_seeded  # noqa: F401 (fixture)
@@ -79,7 +79,7 @@ def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models,
     each on a CPU, so the measured costs would (rightly) make depth a toss-up; a GPU-like cost table
     (drafts cheap next to the verify) is installed and frozen, and the real acceptance observations
     must lead the policy to the full depth."""
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
                 **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
@@ -109,6 +109,33 @@ def test_bad_adaptive_value_is_refused(spec_models):
     with pytest.raises(ValueError, match="speculative_adaptive must be 'on' or 'off'"):
         Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
                speculative_adaptive="maybe", **CHAIN, **ENGINE)
+
+
+def test_each_steps_time_lands_in_its_sampling_modes_cost_table(spec_models, monkeypatch):
+    """Greedy, temperature-1 and penalised requests step with different sampler work (on an H200's host-bound
+    demo pair 0.5 to 1.3 ms for the same batch), so the worker hands the policy each step's time under the
+    mode its requests' sampling parameters name (`step_mode`), and nothing else: a greedy batch's steps
+    under "greedy", a temperature-1 batch's under "sampled", a batch with a repetition penalty under every
+    sampling stage's, and a mixed batch under the dearest of its rows'."""
+    modes = []
+    for method in ("observe_time", "observe_dormant_time"):  # (a step of dormant rows alone: the latter)
+        real = getattr(DepthPolicy, method)
+        monkeypatch.setattr(DepthPolicy, method, lambda self, *a, mode="greedy", real=real, **k: (
+            modes.append(mode), real(self, *a, mode=mode, **k))[1])
+    runs = {"greedy": [dict(temperature=0.0)] * 2, "sampled": [dict(temperature=1.0, seed=1)] * 2,
+            "sampled+penalties+logprobs20": [dict(temperature=1.0, seed=2, repetition_penalty=1.2)] * 2,
+            "mixed": [dict(temperature=0.0), dict(temperature=1.0, seed=3)]}
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                **CHAIN, **ENGINE) as e:
+        policy = e.runner.spec.policy
+        for name, kinds in runs.items():
+            modes.clear()
+            e.generate(input_ids=PROMPTS[:2], sampling_params=[SamplingParams(max_new_tokens=24, ignore_eos=True, **k)
+                                                               for k in kinds])
+            expected = "sampled" if name == "mixed" else name
+            assert modes and set(modes) == {expected}, (name, set(modes))
+            assert policy.cost_row(2, expected) or cost_table(2, expected) in policy.dormant_cost_ms, name
+        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
 
 
 def test_prefill_first_is_on_with_speculation_unless_told(spec_models):
@@ -198,7 +225,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
     SENTINEL_EVERY = 8  # (the engine's is 32: fewer prompts this way)
     monkeypatch.setattr(policy_module, "SENTINEL_EVERY", SENTINEL_EVERY)
 
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
                 **CHAIN, **ENGINE) as e:
         spec = e.runner.spec
@@ -263,7 +290,7 @@ def test_running_requests_drop_their_draft_state_once_drafting_cannot_pay(spec_m
     from tandem.bench import synthetic
     from tandem.speculative.worker import DEMOTE_EVERY
 
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         spec = e.runner.spec
@@ -293,7 +320,7 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
     SENTINEL_EVERY = 8  # (the engine's is 32: fewer prompts this way)
     monkeypatch.setattr(policy_module, "SENTINEL_EVERY", SENTINEL_EVERY)
 
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
@@ -321,14 +348,15 @@ def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkey
     (speculative/policy.py `_ClassRates`) and it has no observations yet. The worker says which is which."""
     from tandem.bench import synthetic
 
-    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, constrained=False: None)
+    monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
         for d in (0.3, 0.8):
             for bs in range(1, 17):
                 for shape in policy.options:
-                    policy.cost_ms[(bs, shape)] = 1.0 + d * shape.depth
+                    for mode in ("greedy", "sampled"):  # (each sampling mode's own table, the same costs)
+                        policy.cost_ms[(cost_table(bs, mode), shape)] = 1.0 + d * shape.depth
             if d == 0.3:
                 synthetic.install(e, 0.0)
                 e.generate(input_ids=PROMPTS[:4], sampling_params=SamplingParams(

@@ -151,3 +151,38 @@ def test_every_graph_runs_on_its_pad_inputs(spec_models, kind, shape):
         for name, graphed in graphs.items():
             static = [torch.full((3, *spec.tail_shape), spec.pad, dtype=spec.dtype) for spec in graphed.inputs]
             graphed.fn(*static)  # raises on an out-of-range index
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_start_up_timing_seeds_every_sampling_modes_cost_table(spec_models, shape, monkeypatch):
+    """On a GPU the adaptive policy's cost tables are seeded at start-up by replaying the captured graphs.
+    Each sampling mode steps through graphs of its own (greedy, sampled, top-k, every sampling stage) at
+    its own cost, so each mode's table must hold every option and a dormant step at every captured batch
+    size, and a constrained batch's depth 0 too. Replays are faked here (a CPU has no CUDA graphs): each
+    graph answers a time of its own, which must land under that graph's mode and option."""
+    import tandem.speculative.worker as worker
+    from tandem.layers.sampler import GRAPHED_CONSTRAINED, GRAPHED_GENERAL, GRAPHED_SAMPLING
+    from tandem.speculative.policy import DraftShape, cost_table
+
+    with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
+                cuda_graph_max_bs=4, **shape, **ENGINE) as engine:
+        spec = engine.runner.spec
+        answers = {}  # the replayed graph -> its fake time
+        for key, graphed in spec.phases.graphs.items():
+            for bs in graphed.graphs:
+                graphed.graphs[bs] = (key, bs)  # (emulation stores None: a token to recognise the replay by)
+                answers[(key, bs)] = 0.1 * (1 + len(answers))
+        monkeypatch.setattr(worker, "_replay_ms", lambda graph, replays: answers[graph])
+        monkeypatch.setattr(worker.torch.cuda, "synchronize", lambda device=None: None)
+        spec.time_graphed_iterations()
+        policy = spec.policy
+        for features in GRAPHED_SAMPLING + GRAPHED_GENERAL:
+            for bs in (1, 2, 3, 4):
+                table = cost_table(bs, features.name)
+                for option in policy.options:
+                    key = f"iteration:{features.name}:{option.name}"
+                    assert policy.cost_ms[(table, option)] == pytest.approx(answers[(key, bs)]), (key, bs)
+                assert policy.dormant_cost_ms[table] == pytest.approx(answers[(f"dormant:{features.name}", bs)])
+        for features in GRAPHED_CONSTRAINED:
+            key = f"iteration:{features.name}:{DraftShape(0).name}"
+            assert policy.cost_ms[(cost_table(4, features.name), DraftShape(0))] == pytest.approx(answers[(key, 4)])

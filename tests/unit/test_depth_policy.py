@@ -943,3 +943,29 @@ def test_a_drafting_cost_from_its_replay_carries_the_hosts_share_of_depth_0():
         online.observe_dormant_time(32, 0.66)
     set_acceptance(online, [0.2, 0.2, 0.2], sampled=True)
     assert not online.admit("sampled", 32, sampled=True)
+
+
+def test_each_sampling_mode_is_judged_at_its_own_cost_table():
+    """Start-up timings at batch 32 in two sampling modes (the demo pair's steps cost more with the sampler's
+    work on a host-bound H200): greedy steps 0.20 / 0.22 / 0.26 / 0.30 ms at depth 0..3 and 0.19 for a
+    dormant step, sampled ones 0.50 / 0.62 / 0.70 / 0.78 and 0.45. Sampled requests accept a_1 = a_2 = a_3
+    = 0.3 (settled): 1.3 / 1.39 / 1.417 expected tokens at depth 1..3. Stepping greedy, a chain of one gives
+    1.3 / 0.22 = 5.91 tokens per ms against a dormant row's 1 / 0.19 = 5.26: drafting kept. Stepping
+    sampled, the chains give 1.3 / 0.62 = 2.10, 1.39 / 0.70 = 1.99 and 1.417 / 0.78 = 1.82 against
+    1 / 0.45 = 2.22: dormant. Weighed at the greedy table, the sampled requests would keep drafting. An
+    online step in one mode leaves the other mode's table as it was."""
+    p = DepthPolicy(D, tree=False, probe_every=10**9)
+    for mode, row, dormant in (("greedy", [0.20, 0.22, 0.26, 0.30], 0.19), ("sampled", [0.50, 0.62, 0.70, 0.78], 0.45)):
+        for shape, ms in zip(p.options, row):
+            p.observe_time(32, shape, ms, weight=1.0, mode=mode)
+        p.observe_dormant_time(32, dormant, weight=1.0, mode=mode)
+    set_acceptance(p, [0.3, 0.3, 0.3], sampled=True)
+    assert not p.admit("g", 32, sampled=True, mode="greedy")
+    assert p.admit("s", 32, sampled=True, mode="sampled")
+    rows = [f"r{i}" for i in range(32)]
+    p.sampled.update(rows)
+    assert p.demote(rows, 32, mode="greedy") == []
+    assert p.demote(rows, 32, mode="sampled") == rows
+    p.observe_time(32, DraftShape(1), 0.9, mode="sampled")
+    assert p.cost_row(32)["chain1"] == pytest.approx(0.22)
+    assert p.cost_row(32, "sampled")["chain1"] > 0.62

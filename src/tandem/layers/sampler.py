@@ -110,6 +110,12 @@ def graph_features(features: SamplingFeatures) -> SamplingFeatures:
     return GENERAL_TOP_K if features.top_k else GENERAL
 
 
+def step_mode(features: SamplingFeatures) -> str:
+    """The sampling mode a speculative step's costs are kept under (the adaptive depth policy's tables): the
+    name of the combination that runs it (`graph_features`: one CUDA graph each)."""
+    return graph_features(features).name
+
+
 @dataclass
 class SamplingMetadata:
     """One step's sampling inputs, one row per row of logits (R rows), all on the logits' device."""

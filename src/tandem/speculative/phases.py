@@ -96,8 +96,11 @@ class SpecPhases:
         args = (slots, page_rows, coins, use_coins) + ((allowed,) if features.constrained else ())
         return self.graphs[_iteration_key(features, shape)](*args)
 
+    def dormant_graph(self, features: SamplingFeatures) -> GraphedFunction | None:
+        return self.graphs.get(_dormant_key(features))
+
     def dormant_graphed(self, batch_size: int, features: SamplingFeatures) -> bool:
-        graph = self.graphs.get(_dormant_key(features))
+        graph = self.dormant_graph(features)
         return graph is not None and graph.fits(batch_size)
 
     def dormant(self, features: SamplingFeatures, slots, page_rows):

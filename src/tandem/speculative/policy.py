@@ -13,9 +13,11 @@ hits over tries), the request's own at a position once it has enough observation
 engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens
 are the weighted average of its own accept lengths. Time is the measured time of an iteration of that
 option at the batch's padded size: timed at start-up when graphs are captured, refined by every step's
-measured time. Batches with a grammar-constrained row (structured output) keep a cost table of their own:
-a drafting step of theirs waits for the host's tree masks between draft and verify, so it costs more than
-the same shape free.
+measured time. Each sampling mode keeps a cost table of its own (the worker names a step's mode: greedy,
+sampled, sampled with top-k, every sampling stage, each of those under a grammar): on a host-bound engine the
+same step costs up to twice as much in one mode as in another, and options timed in a cheap mode must not be
+weighed against a dormant step timed in a dear one. A grammar-constrained drafting step also waits for the
+host's tree masks between draft and verify, so it costs more than the same shape free.
 
 Corrections keep the choice honest. A position never drafted takes the rate of the one before it
 (`effective_acceptance`), not the prior, and a batch with more drafting rows than the engine has
@@ -196,6 +198,9 @@ REPEAT_DEPTH0_STEPS = 8
 # pair then read 0.36-0.42 ms at batch 1-8 where its steps took 0.25. A real rise still shows: 25% times
 # the weight a step.
 OUTLIER_RATIO = 1.25
+# The sampling mode of greedy steps without penalties, logprobs or a grammar: its cost tables are keyed by the
+# padded batch size alone (`cost_table`). The name is the sampler's for that combination (layers/sampler.py).
+GREEDY_MODE = "greedy"
 
 
 @dataclass
@@ -338,29 +343,30 @@ class DepthPolicy:
         self.sampled: set[str] = set()  # requests that sample (temperature > 0): their class's rates (`admit`)
         self.reset_acceptance()
         self._requests: dict[str, _RequestRates] = {}
-        self.cost_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> iteration time
-        self._time_seen: dict[tuple[int, DraftShape], int] = {}  # observations behind each cost
-        self._startup_ms: dict[tuple[int, DraftShape], float] = {}  # (padded batch, shape) -> its start-up timing
-        self._last_choice: dict[int, DraftShape] = {}
-        # (padded batch table) -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
+        # A table (`cost_table`: padded batch size and sampling mode) keys every cost and step count below.
+        self.cost_ms: dict[tuple, float] = {}  # (table, shape) -> iteration time
+        self._time_seen: dict[tuple, int] = {}  # observations behind each cost
+        self._startup_ms: dict[tuple, float] = {}  # (table, shape) -> its start-up timing
+        self._last_choice: dict = {}  # table (or ("with prompts", table)) -> the last choice there
+        # padded batch -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
         self.catch_up_per_step_ms: dict = {}
-        self._steps_since_probe: dict[int, int] = {}
+        self._steps_since_probe: dict = {}  # table -> steps since the deepest option last ran there
         self._steps: dict = {}  # table -> steps chosen at it
         # (batch's class sampled?, table) -> steps in a row whose choice (probes aside) was depth 0: set in
         # reset_acceptance
         self._run_at: dict = {}  # (table, shape) -> the table's step count when the option last ran (or 0)
         self._refreshing: set = set()  # (table, shape) keys whose next observed time is a refresh
-        # table -> (request ids, repeats left, step count when a refresh falls due, its _undrafted_steps key)
-        # of the last depth-0 choice there (`repeat_depth0`)
+        # padded batch -> (request ids, repeats left, step count when a refresh falls due, its _undrafted_steps
+        # key, its table) of the last depth-0 choice there (`repeat_depth0`)
         self._repeatable: dict = {}
         self._max_of_normals: dict[int, float] = {}  # rows -> expected_max_of_normals(rows)
         self.dormancy = dormancy
         self.dormant: set[str] = set()  # requests without draft state (see `admit`)
         self.sentinels: set[str] = set()  # requests kept drafting by the sentinel rule (never demoted)
-        self.dormant_cost_ms: dict[int, float] = {}  # padded batch -> a step of dormant rows alone
-        self._dormant_startup_ms: dict[int, float] = {}  # padded batch -> its start-up timing (graph replay)
-        self._dormant_timed_at: dict[int, int] = {}  # padded batch -> its step count at the last online timing
-        self._dormant_timed: dict[int, int] = {}  # padded batch -> online timings so far
+        self.dormant_cost_ms: dict = {}  # table -> a step of dormant rows alone
+        self._dormant_startup_ms: dict = {}  # table -> its start-up timing (graph replay)
+        self._dormant_timed_at: dict = {}  # table -> its step count at the last online timing
+        self._dormant_timed: dict = {}  # table -> online timings so far
         # [tries][hits] -> a request's own interval at REQUEST_EVIDENCE_Z, for tries under min_request_obs (a
         # table: it is read for every request and position a drafting step observes)
         self._intervals = [[wilson_interval(h, n, REQUEST_EVIDENCE_Z) for h in range(n + 1)]
@@ -493,12 +499,12 @@ class DepthPolicy:
         return max(self.decay, new / (seen + new + self.prior_weight))
 
     def observe_time(self, padded_batch: int, shape: DraftShape, ms: float, weight: float | None = None,
-                     constrained: bool = False) -> None:
+                     mode: str = GREEDY_MODE) -> None:
         """One step's time. `weight` (start-up timing over several graph replays) sets a trusted value.
         Online, the first observation of an option at a batch size is often its warm-up (lazy
         initialisation, first-call allocation): the second replaces it, then a mean of the observations
         so far, then a moving average, each observation at most OUTLIER_RATIO times the cost so far."""
-        key = (_table(padded_batch, constrained), shape)
+        key = (cost_table(padded_batch, mode), shape)
         old = self.cost_ms.get(key)
         count = self._time_seen.get(key, 0)
         if weight is not None:
@@ -516,7 +522,7 @@ class DepthPolicy:
         self.cost_ms[key] = ms if old is None else old + w * (ms - old)
         self._time_seen[key] = count + 1
 
-    def observe_catch_up(self, padded_batch: int, ms_per_deferred_step: float, constrained: bool = False) -> None:
+    def observe_catch_up(self, padded_batch: int, ms_per_deferred_step: float) -> None:
         """A catch-up's time per deferred step it can hold, for `padded_batch` catching-up rows: added to
         depth 0's cost (before, it was taken off the drafting step that ran it and charged to no option,
         so depth 0 looked cheaper than it is: by 4.5% on a CPU, where the draft costs a fifth of the
@@ -524,11 +530,11 @@ class DepthPolicy:
         whole window): divided by the lag instead, a catch-up forced by a probe a few steps after the
         last one charged depth 0 its whole cost for a few steps, and once that made a drafting option
         look cheaper, no depth-0 step ran again to correct it (on an H200 at batch 32, chains of one at
-        acceptance 0, 0.6 ms a step over depth 0)."""
-        key = _table(padded_batch, constrained)
-        old = self.catch_up_per_step_ms.get(key)
+        acceptance 0, 0.6 ms a step over depth 0). Kept by padded batch alone: a catch-up runs the draft, the
+        same work in every sampling mode."""
+        old = self.catch_up_per_step_ms.get(padded_batch)
         new = ms_per_deferred_step
-        self.catch_up_per_step_ms[key] = new if old is None else old + 0.2 * (new - old)
+        self.catch_up_per_step_ms[padded_batch] = new if old is None else old + 0.2 * (new - old)
 
     def forget(self, request_ids) -> None:
         """Requests that finished or were preempted: their expected tokens by depth are kept
@@ -545,25 +551,26 @@ class DepthPolicy:
             self.sampled.discard(rid)
             self._repeatable.clear()
 
-    def cost_row(self, padded_batch: int) -> dict[str, float]:
-        """The cost table at one padded batch size, by option name, and depth 0's catch-up share (ms; for
-        reports)."""
-        row = {shape.name: self.cost_ms[(padded_batch, shape)] for shape in self.options
-               if (padded_batch, shape) in self.cost_ms}
+    def cost_row(self, padded_batch: int, mode: str = GREEDY_MODE) -> dict[str, float]:
+        """The cost table at one padded batch size and sampling mode, by option name, and depth 0's catch-up
+        share (ms; for reports)."""
+        table = cost_table(padded_batch, mode)
+        row = {shape.name: self.cost_ms[(table, shape)] for shape in self.options if (table, shape) in self.cost_ms}
         if padded_batch in self.catch_up_per_step_ms:
             row["catch_up_per_step"] = self.catch_up_per_step_ms[padded_batch]
         return row
 
     # ---- dormant admission -------------------------------------------------------------------------------
     def admit(self, request_id: str, padded_batch: int, prompt_tokens: int = 0, max_new_tokens: int = 0,
-              sampled: bool = False, finish_together: bool = False) -> bool:
+              sampled: bool = False, finish_together: bool = False, mode: str = GREEDY_MODE) -> bool:
         """Called when a request's prompt starts (again, after a preemption): True if it is admitted
         dormant, without draft state, because at `padded_batch` (the running batch's padded size) drafting
         does not pay (`_drafting_cannot_pay`, at the acceptance of its sampling class: `sampled`,
         temperature > 0) once the draft's prefill of `prompt_tokens` is paid for out of what drafting saves
         over `max_new_tokens` (`prefill_share_ms`); one in `sentinel_spacing` keeps its draft all the
         same. `finish_together`: the request runs exactly max_new_tokens in a batch that nothing queued
-        will refill, so the batch goes at its slowest row's pace (`slowest_row_expected`)."""
+        will refill, so the batch goes at its slowest row's pace (`slowest_row_expected`). `mode`: the sampling
+        mode whose cost table judges it (the request's own: a batch of such requests steps in that mode)."""
         self.dormant.discard(request_id)
         self.sentinels.discard(request_id)
         self._leave_cohort(request_id)
@@ -575,29 +582,32 @@ class DepthPolicy:
         if finish_together and self.dormancy:
             # (every drafting admission: the first batch's rows are drafted before any judgment can be made)
             self._join_cohort(request_id, (sampled, padded_batch))
-        if not self.dormancy or not self._evidence_enough(padded_batch, sampled):
+        table = cost_table(padded_batch, mode)
+        if not self.dormancy or not self._evidence_enough(table, sampled):
             return False
         self._admitted += 1  # (since the last sentinel)
-        if self._admitted >= self.sentinel_spacing(padded_batch):
+        if self._admitted >= self.sentinel_spacing(table):
             self._admitted = 0
             self.sentinels.add(request_id)
             return False
         upkeep = self.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens)
         slowest = self.slowest_row_expected(padded_batch, sampled) if finish_together else None
-        if not self._drafting_cannot_pay(padded_batch, upkeep, sampled, slowest):
+        if not self._drafting_cannot_pay(table, upkeep, sampled, slowest):
             return False
         self._leave_cohort(request_id)  # (a dormant row drafts nothing: its pace is plain decoding's)
         self.dormant.add(request_id)
         return True
 
-    def sentinel_spacing(self, padded_batch: int) -> int:
-        """Admissions per sentinel for a request joining a batch of this padded size (SENTINEL_BUDGET)."""
-        depth0 = self.cost_ms.get((padded_batch, self.options[0]))
+    def sentinel_spacing(self, table) -> int:
+        """Admissions per sentinel for a request joining a batch of this table's padded size
+        (SENTINEL_BUDGET)."""
+        depth0 = self.cost_ms.get((table, self.options[0]))
         if depth0 is None:
             return SENTINEL_EVERY
-        dormant = self.dormant_step_ms(padded_batch, depth0)
-        upkeep = depth0 + self.catch_up_per_step_ms.get(padded_batch, 0.0) - dormant
-        return max(SENTINEL_EVERY, math.ceil(padded_batch * upkeep / max(dormant, 1e-6) / SENTINEL_BUDGET))
+        rows = _rows(table)
+        dormant = self.dormant_step_ms(table, depth0)
+        upkeep = depth0 + self.catch_up_per_step_ms.get(rows, 0.0) - dormant
+        return max(SENTINEL_EVERY, math.ceil(rows * upkeep / max(dormant, 1e-6) / SENTINEL_BUDGET))
 
     def slowest_row_expected(self, rows: int, sampled: bool) -> list[float] | None:
         """The expected tokens by depth 0..D of the slowest of `rows` rows: at each depth, the 1 / (rows + 1)
@@ -656,33 +666,34 @@ class DepthPolicy:
         if not cohort.running and cohort.slowest is not None and self._open_cohorts.get(cohort.key) is not cohort:
             self._cohort_slowest.setdefault(cohort.key, deque(maxlen=COHORTS_KEPT)).append(cohort.slowest)
 
-    def demote(self, request_ids, padded_batch: int) -> list[str]:
+    def demote(self, request_ids, padded_batch: int, mode: str = GREEDY_MODE) -> list[str]:
         """The requests of a running batch that should drop their draft state now: every one but the
         sentinels, once drafting cannot pay at this batch (the test `admit` makes). Those admitted while
         drafting still looked worth it otherwise kept paying the draft's upkeep (catch-ups, and a batch of
         dormant rows alone runs plain decoding's cheaper step) for the rest of their run: on an H200 the
         demo pair at temperature 1 went dormant at admission only from its fourth run of a batch size.
         Dropping is for good (a dormant request never gets its draft state back). Each sampling class is
-        judged at its own acceptance."""
+        judged at its own acceptance, at the cost table of the batch's sampling mode `mode`."""
         if not self.dormancy:
             return []
+        table = cost_table(padded_batch, mode)
         keeping = [rid for rid in request_ids if rid not in self.dormant and rid not in self.sentinels]
         dropped = []
         for sampled in (False, True):
             rows = [rid for rid in keeping if (rid in self.sampled) == sampled]
-            if (rows and self._evidence_enough(padded_batch, sampled)
-                    and self._drafting_cannot_pay(padded_batch, sampled=sampled)):
+            if (rows and self._evidence_enough(table, sampled)
+                    and self._drafting_cannot_pay(table, sampled=sampled)):
                 dropped += rows
         if dropped:
             self.dormant.update(dropped)
             self._repeatable.clear()
         return dropped
 
-    def _evidence_enough(self, padded_batch: int, sampled: bool) -> bool:
+    def _evidence_enough(self, table, sampled: bool) -> bool:
         """Whether dormancy may be judged for a sampling class at this batch: DORMANT_MIN_OBSERVATIONS of
         position 1, or DORMANT_SETTLED_STEPS depth-0 choices in a row there."""
         return (self.rates_by_class[sampled].seen[0] >= DORMANT_MIN_OBSERVATIONS
-                or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
+                or self._undrafted_steps.get((sampled, table), 0) >= DORMANT_SETTLED_STEPS)
 
     def prefill_share_ms(self, padded_batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
         """What the draft's prefill of new requests costs per step of their batch: each of its
@@ -703,7 +714,7 @@ class DepthPolicy:
         """One step's draft prefill: `ms` for `tokens` prompt tokens."""
         self._draft_prefill.observe(tokens, ms)
 
-    def _drafting_cannot_pay(self, padded_batch: int, upkeep_ms: float = 0.0, sampled: bool = False,
+    def _drafting_cannot_pay(self, table, upkeep_ms: float = 0.0, sampled: bool = False,
                              slowest: list[float] | None = None) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
@@ -713,13 +724,13 @@ class DepthPolicy:
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
         (`sampled`); each depth's expected tokens at no more than `slowest`'s where given (the slowest row's,
-        SLOWEST_ROW_REQUESTS_KEPT)."""
-        if any((padded_batch, shape) not in self.cost_ms for shape in self.options):
+        SLOWEST_ROW_REQUESTS_KEPT). `table`: the cost table (padded batch and sampling mode, `cost_table`)."""
+        if any((table, shape) not in self.cost_ms for shape in self.options):
             return False
-        costs = self._floored_costs(padded_batch)
+        costs = self._floored_costs(table)
         cls = self.rates_by_class[sampled]
         settled = (cls.seen[0] >= DORMANT_SETTLED_OBSERVATIONS
-                   or self._undrafted_steps.get((sampled, padded_batch), 0) >= DORMANT_SETTLED_STEPS)
+                   or self._undrafted_steps.get((sampled, table), 0) >= DORMANT_SETTLED_STEPS)
         as_estimated = expected_by_depth(cls.effective())
         rates = cls.effective() if settled else self.optimistic_acceptance(sampled)
         expected = expected_by_depth(rates)
@@ -727,60 +738,64 @@ class DepthPolicy:
             expected = [min(e, own) for e, own in zip(expected, slowest)]
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
         tree_tokens = cls.tree_tokens * expected[-1] / as_estimated[-1]
-        dormant_step = self.dormant_step_ms(padded_batch, costs[self.options[0]])
+        dormant_step = self.dormant_step_ms(table, costs[self.options[0]])
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
         return best_drafting < 1.0 / max(dormant_step - upkeep_ms, 1e-6)
 
-    def observe_dormant_time(self, padded_batch: int, ms: float, weight: float | None = None) -> None:
+    def observe_dormant_time(self, padded_batch: int, ms: float, weight: float | None = None,
+                             mode: str = GREEDY_MODE) -> None:
         """A step of dormant rows alone (plain decoding's step): its time, kept as the options' are (start-up
         timing with `weight`; online, a moving average clipped at OUTLIER_RATIO). Where nothing was timed at
         start-up (a CPU, a batch size without graphs) the first online step is often its warm-up, as an
         option's is (`observe_time`): the second replaces it, then a mean of the steps so far until the
         moving average weighs more. (Taken as it came, one warm-up step on a CPU left a batch-1 dormant
-        step at 14.3 ms, where plain decoding's took 12: drafting then looked worth keeping.)"""
-        old = self.dormant_cost_ms.get(padded_batch)
+        step at 14.3 ms, where plain decoding's took 12: drafting then looked worth keeping.) In the sampling
+        mode's table (`mode`), as the options' costs."""
+        table = cost_table(padded_batch, mode)
+        old = self.dormant_cost_ms.get(table)
         if weight is not None:
-            self._dormant_startup_ms[padded_batch] = ms
-            self.dormant_cost_ms[padded_batch] = ms if old is None else old + weight * (ms - old)
+            self._dormant_startup_ms[table] = ms
+            self.dormant_cost_ms[table] = ms if old is None else old + weight * (ms - old)
             return
-        self._dormant_timed_at[padded_batch] = self._steps.get(padded_batch, 0)
-        count = self._dormant_timed.get(padded_batch, 0)  # online steps before this one
-        self._dormant_timed[padded_batch] = count + 1
-        if padded_batch in self._dormant_startup_ms:
+        self._dormant_timed_at[table] = self._steps.get(table, 0)
+        count = self._dormant_timed.get(table, 0)  # online steps before this one
+        self._dormant_timed[table] = count + 1
+        if table in self._dormant_startup_ms:
             if count == 0:  # (the moving average starts from what the choice counted so far)
-                old = self._scaled_startup_dormant_ms(padded_batch)
+                old = self._scaled_startup_dormant_ms(table)
             w = self.decay
         elif old is None or count < 2:  # (its warm-up, then the step that replaces it)
-            self.dormant_cost_ms[padded_batch] = ms
+            self.dormant_cost_ms[table] = ms
             return
         else:
             w = max(self.decay, 1.0 / count)
-        self.dormant_cost_ms[padded_batch] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
+        self.dormant_cost_ms[table] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
 
-    def dormant_step_ms(self, padded_batch: int, untimed: float) -> float:
+    def dormant_step_ms(self, table, untimed: float) -> float:
         """What a step of dormant rows alone costs at this batch as the choice counts it, at no more than a
         depth-0 step's cost there (it does a subset of that step's work: no draft features kept, nothing
         deferred). Its online timing, at no more than its start-up timing once DORMANT_STALE_STEPS of the
         policy's steps passed there since it was last timed online (see DORMANT_STALE_STEPS); never timed
         online, its start-up timing scaled as depth 0's online cost has moved from depth 0's own start-up
-        timing (the note after DORMANT_STALE_STEPS); `untimed` where it was never timed at all."""
-        depth0 = self.cost_ms.get((padded_batch, self.options[0]))
-        ms = self.dormant_cost_ms.get(padded_batch)
-        startup, timed_at = self._dormant_startup_ms.get(padded_batch), self._dormant_timed_at.get(padded_batch)
+        timing (the note after DORMANT_STALE_STEPS); `untimed` where it was never timed at all. `table`: padded
+        batch and sampling mode (`cost_table`)."""
+        depth0 = self.cost_ms.get((table, self.options[0]))
+        ms = self.dormant_cost_ms.get(table)
+        startup, timed_at = self._dormant_startup_ms.get(table), self._dormant_timed_at.get(table)
         if ms is None:
             ms = untimed
         elif timed_at is None:  # (start-up timing alone)
-            ms = self._scaled_startup_dormant_ms(padded_batch)
-        elif startup is not None and self._steps.get(padded_batch, 0) - timed_at >= DORMANT_STALE_STEPS:
+            ms = self._scaled_startup_dormant_ms(table)
+        elif startup is not None and self._steps.get(table, 0) - timed_at >= DORMANT_STALE_STEPS:
             ms = min(ms, startup)
         return ms if depth0 is None else min(ms, depth0)
 
-    def _scaled_startup_dormant_ms(self, padded_batch: int) -> float:
+    def _scaled_startup_dormant_ms(self, table) -> float:
         """The dormant step's start-up timing times depth 0's online cost over depth 0's start-up timing (the
         note after DORMANT_STALE_STEPS); as it is where depth 0 has no start-up timing."""
-        key = (padded_batch, self.options[0])
-        startup, depth0_startup = self._dormant_startup_ms[padded_batch], self._startup_ms.get(key)
+        key = (table, self.options[0])
+        startup, depth0_startup = self._dormant_startup_ms[table], self._startup_ms.get(key)
         if not depth0_startup:
             return startup
         return startup * self.cost_ms[key] / depth0_startup
@@ -835,13 +850,13 @@ class DepthPolicy:
             return sum(1.0 if rid in self.dormant else self._class_of(rid).tree_tokens for rid in request_ids)
         return sum(self._expected_of(rid)[shape.depth] for rid in request_ids)
 
-    def choose(self, request_ids, padded_batch: int, constrained: bool = False, prefill_rows: int = 0,
+    def choose(self, request_ids, padded_batch: int, mode: str = GREEDY_MODE, prefill_rows: int = 0,
                catch_up_batch: int | None = None, remaining: list[int] | None = None,
                finish_together: list[bool] | None = None, catch_up_forced: bool = False) -> DraftShape:
         """The option with the most expected tokens per ms at this padded batch size. An option never
         timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
-        keeps the acceptance beyond the chosen depth known while shorter options win. `constrained`: the
-        batch has a grammar-constrained row (its own cost table). `prefill_rows`: requests whose prompt
+        keeps the acceptance beyond the chosen depth known while shorter options win. `mode`: the step's
+        sampling mode (the worker's `step_mode`; each has a cost table of its own). `prefill_rows`: requests whose prompt
         chunks share the step; they count as rows that accept nothing (one token's worth each), because
         drafting lengthens their step too and delays their first token (on an H200 at batch 128, drafting
         in the prompt-processing steps cost 20-45 ms of time to first token). `catch_up_batch`: the padded
@@ -857,8 +872,8 @@ class DepthPolicy:
         time only. Each one forced a catch-up of its own before: at batch 32, acceptance 0.3 on an H200
         a probe and a refresh took 3.3 and 2.5 ms over a depth-0 step, 1.2 ms of each a catch-up."""
         self._close_cohorts()
-        padded_batch = _table(padded_batch, constrained)
-        untimed = [s for s in self.options if (padded_batch, s) not in self.cost_ms]
+        table = cost_table(padded_batch, mode)
+        untimed = [s for s in self.options if (table, s) not in self.cost_ms]
         if untimed:
             return untimed[-1]
         # The batch's expected tokens at every chain depth in one pass, from cached per-request sums
@@ -889,32 +904,33 @@ class DepthPolicy:
                     chain_tokens[d] -= (1 - 1 / factors[d]) * sum(per_request[i][d] for i in rows)
                 tree_tokens -= (1 - 1 / factors[-1]) * sum(tree_each[i] for i in rows)
 
-        deferring = padded_batch if catch_up_batch is None else _table(catch_up_batch, constrained)
+        deferring = padded_batch if catch_up_batch is None else catch_up_batch
         deferral_ms = self.catch_up_per_step_ms.get(deferring, 0.0) if catch_up_batch != 0 else 0.0
 
-        costs = self._effective_costs(padded_batch, deferral_ms)
+        costs = self._effective_costs(table, deferral_ms)
 
         def rate(shape):
             return (tree_tokens if shape.tree else chain_tokens[shape.depth]) / costs[shape]
 
         best = max(self.options, key=rate)
         # Steps with prompt chunks keep a choice of their own (they alternate with pure decode steps).
-        key = ("with prompts", padded_batch) if prefill_rows else padded_batch
+        key = ("with prompts", table) if prefill_rows else table
         last = self._last_choice.get(key)
         if last is not None and rate(best) <= rate(last) * (1 + self.hysteresis):
             best = last
         if last != best:
-            logger.info("adaptive speculation: batch %s%s now drafts %s (acceptance per position %s)",
-                        padded_batch, " with prompt chunks" if prefill_rows else "", best.name,
+            logger.info("adaptive speculation: batch %s%s%s now drafts %s (acceptance per position %s)",
+                        padded_batch, "" if mode == GREEDY_MODE else f" ({mode})",
+                        " with prompt chunks" if prefill_rows else "", best.name,
                         ", ".join(f"{a:.2f}" for a in batch_class.acceptance))
             self._last_choice[key] = best
         if prefill_rows:
             return best  # no probe where it would delay first tokens (and no refresh: such steps go untimed)
-        undrafted = (sampled_batch, padded_batch)
+        undrafted = (sampled_batch, table)
         self._undrafted_steps[undrafted] = 0 if best.drafts else self._undrafted_steps.get(undrafted, 0) + 1
-        steps = self._steps_since_probe.get(padded_batch, 0) + 1
+        steps = self._steps_since_probe.get(table, 0) + 1
         wait = catch_up_forced and not best.drafts  # (see above)
-        if best != self.deepest and ((steps >= self._probe_interval(padded_batch, best, self.deepest) and not wait)
+        if best != self.deepest and ((steps >= self._probe_interval(table, best, self.deepest) and not wait)
                                      or self._learning(request_ids, batch_class)):
             # The deepest option observes every position at once: one probe can show that a deep
             # draft pays even when the first position alone would not justify a chain of one. And while
@@ -925,42 +941,43 @@ class DepthPolicy:
             # undrafted (0.87x fixed depth on an H200). One probe there costs 2% of such a run.
             best, steps = self.deepest, 0
         elif not wait:
-            best = self._refresh(padded_batch, best, rate)
-        self._count_step(padded_batch, best, steps)
+            best = self._refresh(table, best, rate)
+        self._count_step(table, best, steps)
         if best.drafts:
             self._repeatable.pop(padded_batch, None)
         else:  # repeatable until the first option that `_refresh` could pick falls due
-            floor, count = rate(best) * (1 - REFRESH_MARGIN), self._steps[padded_batch]
-            stale_at = min((self._run_at.get((padded_batch, s), 0) + REFRESH_EVERY for s in self.options
+            floor, count = rate(best) * (1 - REFRESH_MARGIN), self._steps[table]
+            stale_at = min((self._run_at.get((table, s), 0) + REFRESH_EVERY for s in self.options
                             if s != best and rate(s) >= floor), default=count + REPEAT_DEPTH0_STEPS + 1)
-            self._repeatable[padded_batch] = (tuple(request_ids), REPEAT_DEPTH0_STEPS, stale_at, undrafted)
+            self._repeatable[padded_batch] = (tuple(request_ids), REPEAT_DEPTH0_STEPS, stale_at, undrafted, table)
         return best
 
     def repeat_depth0(self, request_ids: tuple, padded_batch: int) -> DraftShape | None:
         """Depth 0 without the full pass of `choose` (see REPEAT_DEPTH0_STEPS), or None where `choose` must
         decide: another batch than the last depth-0 choice's at this padded size, an observation, admission
         or finished request since, REPEAT_DEPTH0_STEPS repeats already, or a probe or refresh due. Counts
-        the step as `choose` would. For pure decode steps (no prompt chunks) of unconstrained batches."""
+        the step as `choose` would, in the cost table `choose` used (the same requests step in the same sampling
+        mode). For pure decode steps (no prompt chunks)."""
         self._close_cohorts()
         last = self._repeatable.get(padded_batch)
         if last is None or last[1] <= 0 or last[0] != request_ids:
             return None
-        ids, left, stale_at, undrafted = last
-        steps = self._steps_since_probe.get(padded_batch, 0) + 1
+        ids, left, stale_at, undrafted, table = last
+        steps = self._steps_since_probe.get(table, 0) + 1
         depth0 = self.options[0]
-        if steps >= self._probe_interval(padded_batch, depth0, self.deepest):
+        if steps >= self._probe_interval(table, depth0, self.deepest):
             return None  # (choose decides whether the probe waits for a catch-up)
-        if self._steps.get(padded_batch, 0) >= stale_at:
+        if self._steps.get(table, 0) >= stale_at:
             return None  # (`_refresh` compares the steps counted before this one)
-        self._repeatable[padded_batch] = (ids, left - 1, stale_at, undrafted)
+        self._repeatable[padded_batch] = (ids, left - 1, stale_at, undrafted, table)
         self._undrafted_steps[undrafted] = self._undrafted_steps.get(undrafted, 0) + 1
-        self._count_step(padded_batch, depth0, steps)
+        self._count_step(table, depth0, steps)
         return depth0
 
-    def _count_step(self, padded_batch, shape: DraftShape, steps_since_probe: int) -> None:
-        self._steps_since_probe[padded_batch] = steps_since_probe
-        count = self._steps[padded_batch] = self._steps.get(padded_batch, 0) + 1
-        self._run_at[(padded_batch, shape)] = count
+    def _count_step(self, table, shape: DraftShape, steps_since_probe: int) -> None:
+        self._steps_since_probe[table] = steps_since_probe
+        count = self._steps[table] = self._steps.get(table, 0) + 1
+        self._run_at[(table, shape)] = count
 
     def _slowest_rows_progress(self, per_request, tree_each, remaining, cls: _ClassRates) -> tuple[list[float], float]:
         """For a drained batch of fixed-length rows (nothing queued, no row can end early): the batch is done
@@ -1010,12 +1027,12 @@ class DepthPolicy:
             z = self._max_of_normals[rows] = expected_max_of_normals(rows)
         return [1.0 + z * sd / math.sqrt(max(remaining, 1) * e) for e, sd in zip(expected, spread)]
 
-    def _effective_costs(self, padded_batch, deferral_ms: float) -> dict[DraftShape, float]:
+    def _effective_costs(self, table, deferral_ms: float) -> dict[DraftShape, float]:
         """Each option's cost at this table, depth 0's with its catch-up share, and no chain dearer than a
         deeper one: a chain of d does a subset of the work of a chain of d + 1 (and depth 0's deferred
         extends are the chain of one's own, batched), so a table that says otherwise holds a stale or
         noisy cost, which must not decide (at acceptance 0 every chain yields what depth 0 yields)."""
-        costs = self._floored_costs(padded_batch)
+        costs = self._floored_costs(table)
         chains = self.options  # (options[d] is the chain of depth d)
         costs[chains[0]] += deferral_ms
         for d in range(self.num_steps - 1, -1, -1):
@@ -1044,34 +1061,34 @@ class DepthPolicy:
                 costs[shape] = max(costs[shape], startup + host)
         return costs
 
-    def _refresh(self, padded_batch, best: DraftShape, rate) -> DraftShape:
+    def _refresh(self, table, best: DraftShape, rate) -> DraftShape:
         """The option to run in place of `best` to re-time it: the best-rated one within REFRESH_MARGIN
         of `best` that has not run at this table for REFRESH_EVERY steps (see REFRESH_EVERY), or one
         cheaper than `best` timed fewer than TRUSTED_OBSERVATIONS times that has not run for
         UNTRUSTED_REFRESH_EVERY steps (see there); else best."""
-        steps, floor = self._steps.get(padded_batch, 0), rate(best) * (1 - REFRESH_MARGIN)
+        steps, floor = self._steps.get(table, 0), rate(best) * (1 - REFRESH_MARGIN)
         cost, seen = self.cost_ms, self._time_seen
-        best_cost = cost[(padded_batch, best)]
+        best_cost = cost[(table, best)]
 
         def due(s):
-            idle = steps - self._run_at.get((padded_batch, s), 0)
+            idle = steps - self._run_at.get((table, s), 0)
             if rate(s) >= floor and idle >= REFRESH_EVERY:
                 return True
-            return (cost[(padded_batch, s)] < best_cost and seen.get((padded_batch, s), 0) < TRUSTED_OBSERVATIONS
+            return (cost[(table, s)] < best_cost and seen.get((table, s), 0) < TRUSTED_OBSERVATIONS
                     and idle >= UNTRUSTED_REFRESH_EVERY)
 
         stale = [s for s in self.options if s != best and due(s)]
         if not stale:
             return best
         shape = max(stale, key=rate)
-        self._refreshing.add((padded_batch, shape))
+        self._refreshing.add((table, shape))
         return shape
 
-    def _probe_interval(self, padded_batch, chosen: DraftShape, probe: DraftShape) -> int:
+    def _probe_interval(self, table, chosen: DraftShape, probe: DraftShape) -> int:
         """Steps between probes: probe_every, or more where one probe step costs more than probe_budget
         of probe_every chosen steps."""
-        cost = self.cost_ms[(padded_batch, chosen)]
-        extra = max(0.0, self.cost_ms[(padded_batch, probe)] - cost)
+        cost = self.cost_ms[(table, chosen)]
+        extra = max(0.0, self.cost_ms[(table, probe)] - cost)
         return max(self.probe_every, math.ceil(extra / (self.probe_budget * cost)))
 
 
@@ -1080,6 +1097,12 @@ def _order_statistic_by_depth(expected_rows, at: int) -> list[float]:
     return [sorted(column)[at] for column in zip(*expected_rows)]
 
 
-def _table(padded_batch: int, constrained: bool):
-    """The cost table's batch key: the padded size, or ("grammar", size) for constrained batches."""
-    return ("grammar", padded_batch) if constrained else padded_batch
+def cost_table(padded_batch: int, mode: str):
+    """A cost table's key: the padded batch size for greedy steps, (mode, size) for every other sampling mode
+    (the worker's `step_mode`)."""
+    return padded_batch if mode == GREEDY_MODE else (mode, padded_batch)
+
+
+def _rows(table) -> int:
+    """A cost table's padded batch size."""
+    return table if isinstance(table, int) else table[1]

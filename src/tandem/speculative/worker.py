@@ -30,13 +30,15 @@ which keep no draft state, runs plain decoding's step alone (`_launch_dormant`).
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
-from tandem.layers.sampler import SamplingFeatures, choose_tokens, graph_features, token_logprobs
+from tandem.layers.sampler import (GRAPHED_CONSTRAINED, GRAPHED_GENERAL, GRAPHED_SAMPLING, SamplingFeatures,
+                                   choose_tokens, graph_features, step_mode, token_logprobs)
 from tandem.models.llama import StepContext
 from tandem.runtime import prompt_logprobs
 from tandem.runtime.sampling_state import SamplingState
@@ -47,12 +49,13 @@ from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
 from tandem.speculative import catch_up, plan
 from tandem.speculative.drafter import Drafter, PrefillFeed, target_feature
 from tandem.speculative.phases import SpecPhases
-from tandem.speculative.policy import DepthPolicy, DraftShape
+from tandem.speculative.policy import GREEDY_MODE, DepthPolicy, DraftShape
 from tandem.speculative.root_step import RootStep
 from tandem.speculative.tree import DraftTree
 from tandem.speculative.verify import AcceptResult, accept_target_tokens
 from tandem.structured.matchers import allowed_on_device
 
+logger = logging.getLogger(__name__)
 
 # How often (in steps) the running batch is checked for requests that should drop their draft state
 # (DepthPolicy.demote: a pass over the batch and one cost comparison).
@@ -108,7 +111,7 @@ class SpecStepHandle:
     max_depth: int = 0
     shape: DraftShape | None = None  # what the verify rows drafted
     padded_batch: int = 0  # the batch size the policy keys its cost table by
-    constrained: bool = False  # a verify row has a grammar (the policy's other cost table)
+    mode: str = GREEDY_MODE  # the verify rows' sampling mode (`step_mode`: the policy's cost table)
     catch_up_ms: float = 0.0  # time of the catch-up it ran first: not its shape's (deferred by earlier steps)
     catch_up_queries: int = 0  # queries per row it ran: the deferred steps it could hold (0: no catch-up)
     catch_up_batch: int = 0  # the padded size of the rows it caught up (dormant rows never do)
@@ -154,40 +157,44 @@ class SpecWorker:
             self.policy.forget(request_ids)
 
     def time_graphed_iterations(self, replays: int = 5) -> None:
-        """Seeds the policy's cost table: each draft shape's greedy whole-iteration graph, replayed at each
-        captured batch size on padded rows only (they touch only the sink page and the pad row); and
-        the catch-up graph's time, which the steps that run it leave out of their own."""
-        from tandem.layers.sampler import GREEDY
-
-        # Batch size by batch size, every shape side by side, twice, keeping each one's faster round: the
-        # policy compares shapes at one batch size, and timed shape by shape a slow stretch of the GPU
-        # landed on one shape at every batch size.
-        graphs = {shape: self.phases.iteration_graph(GREEDY, shape) for shape in self.policy.options}
+        """Seeds the policy's cost tables: each draft shape's whole-iteration graph in every captured sampling
+        mode, replayed at each captured batch size on padded rows only (they touch only the sink page and
+        the pad row); each mode's dormant-decode graph; and the catch-up graph's time, which the steps that
+        run it leave out of their own. (Each mode has a table of its own: on an H200 the demo pair's
+        batch-32 step cost 0.5 ms greedy and 1.3 ms with every sampling stage on.)"""
+        started = time.perf_counter()
+        # Batch size by batch size, every shape of a mode side by side, twice, keeping each one's faster
+        # round: the policy compares shapes at one batch size, and timed shape by shape a slow stretch of the
+        # GPU landed on one shape at every batch size.
+        graphs = {(features, shape): self.phases.iteration_graph(features, shape)
+                  for features in GRAPHED_SAMPLING + GRAPHED_GENERAL for shape in self.policy.options}
+        # Constrained batches: only depth 0 replays a graph; the drafting shapes are timed as they run.
+        graphs.update({(features, DraftShape(0)): self.phases.iteration_graph(features, DraftShape(0))
+                       for features in GRAPHED_CONSTRAINED})
+        graphs = {key: graph for key, graph in graphs.items() if graph is not None}
         sizes = sorted({bs for graph in graphs.values() for bs in graph.graphs})
         best: dict = {}
         for _ in range(2):
             for bs in sizes:
-                for shape, graph in graphs.items():
+                for key, graph in graphs.items():
                     if bs in graph.graphs:
                         ms = _replay_ms(graph.graphs[bs], replays)
-                        best[(bs, shape)] = min(ms, best.get((bs, shape), ms))
-        for (bs, shape), ms in best.items():
-            self.policy.observe_time(bs, shape, ms, weight=1.0)
-        # Constrained batches: only depth 0 replays a graph; the drafting shapes are timed as they run.
-        depth0 = DraftShape(0)
-        graph = self.phases.iteration_graph(replace(GREEDY, constrained=True), depth0)
-        for bs in sorted(graph.graphs) if graph is not None else ():
-            self.policy.observe_time(bs, depth0, _replay_ms(graph.graphs[bs], replays), weight=1.0, constrained=True)
-        dormant = self.phases.graphs.get("dormant:greedy")
-        for bs in sorted(dormant.graphs) if dormant is not None else ():
-            self.policy.observe_dormant_time(bs, _replay_ms(dormant.graphs[bs], replays), weight=1.0)
+                        best[(bs, key)] = min(ms, best.get((bs, key), ms))
+        for (bs, (features, shape)), ms in best.items():
+            self.policy.observe_time(bs, shape, ms, weight=1.0, mode=step_mode(features))
+        for features in GRAPHED_SAMPLING + GRAPHED_GENERAL:
+            dormant = self.phases.dormant_graph(features)
+            for bs in sorted(dormant.graphs) if dormant is not None else ():
+                self.policy.observe_dormant_time(bs, _replay_ms(dormant.graphs[bs], replays), weight=1.0,
+                                                 mode=step_mode(features))
         catch_up_graph = self.phases.graphs.get("catch_up")
         for bs, graph in (catch_up_graph.graphs.items() if catch_up_graph is not None else ()):
             self.catch_up_ms[bs] = _replay_ms(graph, replays)
-            for constrained in (False, True):  # depth 0's share of it, before any catch-up runs
-                self.policy.observe_catch_up(bs, self.catch_up_ms[bs] / self.pool.catch_up_window,
-                                             constrained=constrained)
+            # (depth 0's share of it, before any catch-up runs)
+            self.policy.observe_catch_up(bs, self.catch_up_ms[bs] / self.pool.catch_up_window)
         torch.cuda.synchronize(self.runner.device)
+        logger.info("adaptive speculation: timed %d graphs at %d batch sizes in %.1f s", len(graphs) + 1,
+                    len(sizes), time.perf_counter() - started)
 
     def padded_batch(self, b: int) -> int:
         graph = self.phases.graphs.get("verify")
@@ -208,7 +215,8 @@ class SpecWorker:
         self._steps_since_demotion += 1
         if self._steps_since_demotion >= DEMOTE_EVERY:
             self._steps_since_demotion = 0
-            demoted = self.policy.demote([c.request_id for c in verify], self.padded_batch(len(verify)))
+            demoted = self.policy.demote([c.request_id for c in verify], self.padded_batch(len(verify)),
+                                         mode=step_mode(SamplingFeatures.of([c.sampling_params for c in verify])))
             for rid in demoted:
                 self.lag.pop(rid, None)  # (its deferred extends are dropped with its draft state)
             self.stats.dormant_demoted += len(demoted)
@@ -222,7 +230,7 @@ class SpecWorker:
             again = self.policy.repeat_depth0(ids, self.padded_batch(len(verify)))
             if again is not None:
                 return again
-        constrained = any(c.sampling_params.constrained for c in verify)
+        mode = step_mode(SamplingFeatures.of([c.sampling_params for c in verify]))
         prefill_rows = 0 if pure_decode else len({c.request_id for c in sched.chunks if not self.is_verify(c)})
         lags = [self.lag.get(c.request_id, 0) for c in verify if not self._dormant(c.request_id)]  # rows that defer
         # Tokens each may still emit: the root at start_pos is its newest (a lower bound for a future chunk).
@@ -234,7 +242,7 @@ class SpecWorker:
         # Whether drafting now would run a catch-up that a depth-0 step would not.
         forced = self._catch_up_needed(lags, drafts=True) and not self._catch_up_needed(lags, drafts=False)
         return self.policy.choose(ids, self.padded_batch(len(verify)),
-                                  constrained=constrained, prefill_rows=prefill_rows,
+                                  mode=mode, prefill_rows=prefill_rows,
                                   catch_up_batch=self.padded_batch(len(lags)) if lags else 0,
                                   remaining=remaining, finish_together=together if any(together) else None,
                                   catch_up_forced=forced)
@@ -264,7 +272,7 @@ class SpecWorker:
         it = handle.iteration
         b = len(chunks)
         features = SamplingFeatures.of([c.sampling_params for c in chunks])
-        handle.constrained = features.constrained
+        handle.mode = step_mode(features)
         handle.verify_ids = [c.request_id for c in chunks]
         handle.padded_batch = self.padded_batch(b)
         shape = shape or self.phases.configured
@@ -686,7 +694,8 @@ class SpecWorker:
                 if self.policy is not None and self.policy.admit(
                         c.request_id, joins, c.num_prompt_tokens, c.sampling_params.max_new_tokens,
                         sampled=not c.sampling_params.greedy,
-                        finish_together=draining and _fixed_length(c.sampling_params)):
+                        finish_together=draining and _fixed_length(c.sampling_params),
+                        mode=step_mode(SamplingFeatures.of([c.sampling_params]))):
                     self.stats.dormant_admitted += 1  # dormant: no draft prefill, no catch-ups
             self.sampling.admit_chunk(pool.slot(c.request_id), c)
         hidden, aux, first_row = self._target_prefill(chunks)
@@ -849,15 +858,14 @@ class SpecWorker:
         self.policy.observe_step(handle.shape, handle.verify_ids, lens)
         if handle.dormant and not handle.prefill_ids:  # (plain decoding's step: no option of the policy's)
             self.policy.observe_dormant_time(handle.padded_batch,
-                                             step_ms if self.runner.device.type == "cuda" else handle.launch_ms)
+                                             step_ms if self.runner.device.type == "cuda" else handle.launch_ms,
+                                             mode=handle.mode)
         elif not handle.prefill_ids:
             ms = step_ms if self.runner.device.type == "cuda" else handle.launch_ms
             catch_up_ms = min(handle.catch_up_ms, 0.5 * ms)
-            self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms,
-                                     constrained=handle.constrained)
+            self.policy.observe_time(handle.padded_batch, handle.shape, ms - catch_up_ms, mode=handle.mode)
             if handle.catch_up_queries:  # the depth-0 steps that deferred the work pay for it
-                self.policy.observe_catch_up(handle.catch_up_batch, catch_up_ms / handle.catch_up_queries,
-                                             constrained=handle.constrained)
+                self.policy.observe_catch_up(handle.catch_up_batch, catch_up_ms / handle.catch_up_queries)
 
 
 def _fixed_length(params) -> bool:
