@@ -182,9 +182,10 @@ class SpecWorker:
                         best[(bs, key)] = min(ms, best.get((bs, key), ms))
         for (bs, (features, shape)), ms in best.items():
             self.policy.observe_time(bs, shape, ms, weight=1.0, mode=step_mode(features))
-        for features in GRAPHED_SAMPLING + GRAPHED_GENERAL:
-            dormant = self.phases.dormant_graph(features)
-            for bs in sorted(dormant.graphs) if dormant is not None else ():
+        dormant_graphs = [(f, self.phases.dormant_graph(f)) for f in GRAPHED_SAMPLING + GRAPHED_GENERAL]
+        dormant_graphs = [(f, graph) for f, graph in dormant_graphs if graph is not None]
+        for features, dormant in dormant_graphs:
+            for bs in sorted(dormant.graphs):
                 self.policy.observe_dormant_time(bs, _replay_ms(dormant.graphs[bs], replays), weight=1.0,
                                                  mode=step_mode(features))
         catch_up_graph = self.phases.graphs.get("catch_up")
@@ -193,8 +194,9 @@ class SpecWorker:
             # (depth 0's share of it, before any catch-up runs)
             self.policy.observe_catch_up(bs, self.catch_up_ms[bs] / self.pool.catch_up_window)
         torch.cuda.synchronize(self.runner.device)
-        logger.info("adaptive speculation: timed %d graphs at %d batch sizes in %.1f s", len(graphs) + 1,
-                    len(sizes), time.perf_counter() - started)
+        timed = len(graphs) + len(dormant_graphs) + (catch_up_graph is not None)
+        logger.info("adaptive speculation: timed %d graphs at up to %d batch sizes in %.1f s", timed, len(sizes),
+                    time.perf_counter() - started)
 
     def padded_batch(self, b: int) -> int:
         graph = self.phases.graphs.get("verify")
