@@ -221,7 +221,8 @@ def test_sweep_ratios_pair_the_runs_that_took_turns():
     200, adaptive 190) give 0.95: stalls of one engine decide."""
     from tandem.bench.sweep import point_ratios
 
-    runs = {"plain": [100, 100, 80, 100, 100], "fixed": [200, 200, 160, 200, 200], "adaptive": [200, 200, 160, 180, 190]}
+    runs = {"plain": [100, 100, 80, 100, 100], "fixed": [200, 200, 160, 200, 200],
+            "adaptive": [200, 200, 160, 180, 190]}
     point = {name: {"tokens_per_s": sorted(tps)[2], "runs": [{"tokens_per_s": t} for t in tps]}
              for name, tps in runs.items()}
     ratios = point_ratios(point)

@@ -13,11 +13,12 @@ hits over tries), the request's own at a position once it has enough observation
 engine's otherwise, kept apart for greedy and sampled requests (`_ClassRates`). A tree's expected tokens
 are the weighted average of its own accept lengths. Time is the measured time of an iteration of that
 option at the batch's padded size: timed at start-up when graphs are captured, refined by every step's
-measured time. Each sampling mode keeps a cost table of its own (the worker names a step's mode: greedy,
-sampled, sampled with top-k, every sampling stage, each of those under a grammar): on a host-bound engine the
-same step costs up to twice as much in one mode as in another, and options timed in a cheap mode must not be
-weighed against a dormant step timed in a dear one. A grammar-constrained drafting step also waits for the
-host's tree masks between draft and verify, so it costs more than the same shape free.
+measured time. Each sampling mode keeps a cost table of its own (`layers.sampler.step_mode` names a
+step's: greedy, sampled, sampled with top-k, every sampling stage, each of those under a grammar): on a
+host-bound engine the same step costs up to twice as much in one mode as in another, and options timed in a
+cheap mode must not be weighed against a dormant step timed in a dear one. A grammar-constrained drafting
+step also waits for the host's tree masks between draft and verify, so it costs more than the same shape
+free.
 
 Corrections keep the choice honest. A position never drafted takes the rate of the one before it
 (`effective_acceptance`), not the prior, and a batch with more drafting rows than the engine has
@@ -853,24 +854,23 @@ class DepthPolicy:
     def choose(self, request_ids, padded_batch: int, mode: str = GREEDY_MODE, prefill_rows: int = 0,
                catch_up_batch: int | None = None, remaining: list[int] | None = None,
                finish_together: list[bool] | None = None, catch_up_forced: bool = False) -> DraftShape:
-        """The option with the most expected tokens per ms at this padded batch size. An option never
-        timed at this size is chosen first (it gets timed); a probe of the deepest option now and then
-        keeps the acceptance beyond the chosen depth known while shorter options win. `mode`: the step's
-        sampling mode (the worker's `step_mode`; each has a cost table of its own). `prefill_rows`: requests whose prompt
-        chunks share the step; they count as rows that accept nothing (one token's worth each), because
-        drafting lengthens their step too and delays their first token (on an H200 at batch 128, drafting
-        in the prompt-processing steps cost 20-45 ms of time to first token). `catch_up_batch`: the padded
-        size of the rows that defer at depth 0 (dormant ones do not; 0: none), default the batch's.
-        `remaining`: per request, the tokens it may still emit (max_new_tokens less its outputs, an upper
-        bound): a step yields at most that many, so drafts past it are counted as worth nothing (they
-        would be accepted and dropped). `finish_together`: per request, whether it runs exactly its
-        `remaining` tokens (no EOS or stop can end it) in a batch that nothing queued will refill: the
-        batch is then done when the slowest of them is (see `_straggler_factors`). `catch_up_forced`: a
-        drafting step now would first run a catch-up that a depth-0 step would not (rows have deferred
-        extends, short of a full window): while depth 0 is chosen, probes and refreshes then wait for
-        the step whose catch-up is due anyway (at most a window of steps), so they cost their own extra
-        time only. Each one forced a catch-up of its own before: at batch 32, acceptance 0.3 on an H200
-        a probe and a refresh took 3.3 and 2.5 ms over a depth-0 step, 1.2 ms of each a catch-up."""
+        """The option with the most expected tokens per ms at this padded batch size. An option never timed at this
+        size is chosen first (it gets timed); a probe of the deepest option now and then keeps the acceptance
+        beyond the chosen depth known while shorter options win. `mode`: the step's sampling mode
+        (`layers.sampler.step_mode`; each has a cost table of its own). `prefill_rows`: requests whose prompt
+        chunks share the step; they count as rows that accept nothing (one token's worth each), because drafting
+        lengthens their step too and delays their first token (on an H200 at batch 128, drafting in the prompt-
+        processing steps cost 20-45 ms of time to first token). `catch_up_batch`: the padded size of the rows
+        that defer at depth 0 (dormant ones do not; 0: none), default the batch's. `remaining`: per request, the
+        tokens it may still emit (max_new_tokens less its outputs, an upper bound): a step yields at most that
+        many, so drafts past it are counted as worth nothing (they would be accepted and dropped).
+        `finish_together`: per request, whether it runs exactly its `remaining` tokens (no EOS or stop can end
+        it) in a batch that nothing queued will refill: the batch is then done when the slowest of them is (see
+        `_straggler_factors`). `catch_up_forced`: a drafting step now would first run a catch-up that a depth-0
+        step would not (rows have deferred extends, short of a full window): while depth 0 is chosen, probes and
+        refreshes then wait for the step whose catch-up is due anyway (at most a window of steps), so they cost
+        their own extra time only. Each one forced a catch-up of its own before: at batch 32, acceptance 0.3 on
+        an H200 a probe and a refresh took 3.3 and 2.5 ms over a depth-0 step, 1.2 ms of each a catch-up."""
         self._close_cohorts()
         table = cost_table(padded_batch, mode)
         untimed = [s for s in self.options if (table, s) not in self.cost_ms]
@@ -1099,7 +1099,7 @@ def _order_statistic_by_depth(expected_rows, at: int) -> list[float]:
 
 def cost_table(padded_batch: int, mode: str):
     """A cost table's key: the padded batch size for greedy steps, (mode, size) for every other sampling mode
-    (the worker's `step_mode`)."""
+    (`layers.sampler.step_mode`)."""
     return padded_batch if mode == GREEDY_MODE else (mode, padded_batch)
 
 
