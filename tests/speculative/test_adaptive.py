@@ -116,12 +116,13 @@ def test_each_steps_time_lands_in_its_sampling_modes_cost_table(spec_models, mon
     demo pair 0.5 to 1.3 ms for the same batch), so the worker hands the policy each step's time under the
     mode its requests' sampling parameters name (`step_mode`), and nothing else: a greedy batch's steps
     under "greedy", a temperature-1 batch's under "sampled", a batch with a repetition penalty under every
-    sampling stage's, and a mixed batch under the dearest of its rows'."""
-    modes = []
+    sampling stage's, and a mixed batch under the dearest of its rows' while both run (one may finish
+    first: the steps of the other alone are its own mode's)."""
+    modes = []  # (padded batch, mode) of every timed step
     for method in ("observe_time", "observe_dormant_time"):  # (a step of dormant rows alone: the latter)
         real = getattr(DepthPolicy, method)
-        monkeypatch.setattr(DepthPolicy, method, lambda self, *a, mode="greedy", real=real, **k: (
-            modes.append(mode), real(self, *a, mode=mode, **k))[1])
+        monkeypatch.setattr(DepthPolicy, method, lambda self, bs, *a, mode="greedy", real=real, **k: (
+            modes.append((bs, mode)), real(self, bs, *a, mode=mode, **k))[1])
     runs = {"greedy": [dict(temperature=0.0)] * 2, "sampled": [dict(temperature=1.0, seed=1)] * 2,
             "sampled+penalties+logprobs20": [dict(temperature=1.0, seed=2, repetition_penalty=1.2)] * 2,
             "mixed": [dict(temperature=0.0), dict(temperature=1.0, seed=3)]}
@@ -133,7 +134,10 @@ def test_each_steps_time_lands_in_its_sampling_modes_cost_table(spec_models, mon
             e.generate(input_ids=PROMPTS[:2], sampling_params=[SamplingParams(max_new_tokens=24, ignore_eos=True, **k)
                                                                for k in kinds])
             expected = "sampled" if name == "mixed" else name
-            assert modes and set(modes) == {expected}, (name, set(modes))
+            both = {mode for bs, mode in modes if bs == 2}  # (steps of both rows; no graphs: unpadded)
+            assert both == {expected}, (name, set(modes))
+            if name != "mixed":
+                assert {mode for _, mode in modes} == {expected}, (name, set(modes))
             assert policy.cost_row(2, expected) or cost_table(2, expected) in policy.dormant_cost_ms, name
         assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
 
