@@ -11,7 +11,6 @@ Prints, per mode and batch size, each run's steps by depth, dormant counts and t
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from sampling_bench import MODES, engine_kwargs  # noqa: E402
 
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
 from tandem.speculative.policy import GREEDY_MODE, expected_by_depth  # noqa: E402
 
@@ -98,8 +98,7 @@ def main() -> None:
                         print("    ", j, flush=True)
     finally:
         engine.shutdown()
-    with open(ns.out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(result, ns.out)  # (compact, paths relative to the checkout: the repository's records)
     print(f"wrote {ns.out}")
 
 
