@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 SEED_MASK = (1 << 63) - 1  # seeds are kept as non-negative int64
 
+# What the engine stores each field in bounds what a request may ask (SamplingParams.validate).
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and the other floats go into float32 device tables
+INT32_MAX = 2**31 - 1  # counts and token ids (top_k, max_new_tokens, min_tokens, ids when no vocabulary is known)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds cross the process boundary as msgpack int64
+MIN_TEMPERATURE = 1e-6  # a smaller positive temperature samples as this one (logits / T stays finite)
+MAX_STOP_STRINGS = 256  # each is checked against the text after every token
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -60,49 +69,61 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = list(self.stop) if isinstance(self.stop, (list, tuple)) else self.stop or []
+        self.stop_token_ids = (list(self.stop_token_ids) if isinstance(self.stop_token_ids, (list, tuple))
+                               else self.stop_token_ids or [])
         self.validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE  # what the sampler would use anyway (logits / T stays finite)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Every field against its meaning and against what it is stored in (float32 and int64 device
+        tables, int32 counts, msgpack int64 across the engine's process boundary), so that no value can
+        fail later inside the engine core's loop. With `vocab_size`, token ids must also lie in the
+        vocabulary. Raises ValueError naming the field."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+            raise ValueError(f"SamplingParams.{name}: {why} (got {_short(getattr(self, name))})")
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be an integer >= 1")
-        if not _finite(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not _int_in(self.max_new_tokens, 1, INT32_MAX):
+            bad("max_new_tokens", f"must be an integer in [1, {INT32_MAX}]")
+        if not _float32(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a number in [0, {FLOAT32_MAX:.7g}] (a float32 holds it)")
+        if not _float32(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (-1 or 0 disables it)")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+        if not _int_in(self.top_k, -1, INT32_MAX):
+            bad("top_k", f"must be an integer in [-1, {INT32_MAX}] (-1 or 0 disables it)")
+        if not _float32(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and not _int_in(self.seed, INT64_MIN, INT64_MAX):
+            bad("seed", f"must be None or an integer in [{INT64_MIN}, {INT64_MAX}]")
         # Logits are divided or multiplied by it: far from 1 they overflow float32 (1e-300 made every
         # logit of a seen token infinite).
-        if not _finite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+        if not _float32(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
             bad("repetition_penalty", "must be between 0.01 and 100")
         for name in ("frequency_penalty", "presence_penalty"):
-            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+            if not _float32(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+        if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
+                or any(not isinstance(s, str) or not s for s in self.stop)):
+            bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        token_limit = INT32_MAX if vocab_size is None else vocab_size - 1
+        if not isinstance(self.stop_token_ids, list) or any(not _int_in(t, 0, token_limit)
+                                                            for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids in [0, {token_limit}]")
+        if not _int_in(self.min_tokens, 0, self.max_new_tokens if _int_in(self.max_new_tokens, 1, INT32_MAX) else 0):
             bad("min_tokens", "must be an integer in [0, max_new_tokens]")
         if self.logit_bias is not None:
-            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 300
-                    or any(not isinstance(t, int) or t < 0 for t in self.logit_bias)
-                    or any(not _finite(v) or not -100 <= v <= 100 for v in self.logit_bias.values())):
-                bad("logit_bias", "must map at most 300 token ids to numbers in [-100, 100]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be None or an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            bad("prompt_logprobs", "must be None or an integer in [0, 20]")
+            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
+                    or any(not _int_in(t, 0, token_limit) for t in self.logit_bias)
+                    or any(not _float32(v) or not -100 <= v <= 100 for v in self.logit_bias.values())):
+                bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids in [0, {token_limit}] "
+                                  "to numbers in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not _int_in(getattr(self, name), 0, MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(f"SamplingParams: give at most one of json_schema, regex, grammar (got {given})")
@@ -135,8 +156,19 @@ class SamplingParams:
                 or bool(self.logit_bias) or self.min_tokens > 0)
 
 
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _float32(x: object) -> bool:
+    """A real number (not a bool) that a float32 tensor holds without overflow."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
+
+
+def _int_in(x: object, lo: int, hi: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _short(value: object) -> str:
+    """The offending value for an error message, cut short (a field may hold a huge list)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass

@@ -63,13 +63,16 @@ def test_health_and_metrics_name_every_replica(app):
     assert "tandem:engine_core_up" not in m  # no unlabelled duplicate to double-count
 
 
-def test_a_dead_replica_fails_health_but_the_other_serves(app):
+def test_health_stays_up_while_one_replica_serves(app):
     dead, live = app.replicas[1], app.replicas[0]
     dead.alive, dead.dead_reason = False, "replica 1 engine core process exited (exit code -9)"
+    # A load balancer must keep a server that still answers: 200, "degraded", each replica's state.
     h = app.get("/health")
-    assert h.status_code == 503
-    err = h.json()["error"]
-    assert err["code"] == "engine_unavailable" and "replica 1" in err["message"] and "-9" in err["message"]
+    assert h.status_code == 200
+    body = h.json()
+    assert body["status"] == "degraded"
+    assert [(s["replica"], s["state"]) for s in body["replicas"]] == [(0, "serving"), (1, "dead")]
+    assert "replica 1" in body["replicas"][1]["reason"] and "-9" in body["replicas"][1]["reason"]
     before = len(live.added)
     for _ in range(3):
         assert complete(app).status_code == 200
@@ -82,3 +85,8 @@ def test_a_dead_replica_fails_health_but_the_other_serves(app):
     err = r.json()["error"]
     assert err["code"] == "engine_unavailable" and "replica 0" in err["message"] and "replica 1" in err["message"]
     assert complete(app, stream=True).status_code == 503  # refused before the stream starts
+    # No replica left: /health is a 503 naming both.
+    h = app.get("/health")
+    assert h.status_code == 503
+    err = h.json()["error"]
+    assert err["code"] == "engine_unavailable" and "replica 0" in err["message"] and "replica 1" in err["message"]

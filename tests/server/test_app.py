@@ -139,7 +139,7 @@ def test_api_key_guards_docs_and_health_details():
             r = http.get(path)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
             assert http.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path
-        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/health").json() == {"status": "ok", "replicas": [{"replica": 0, "state": "serving"}]}
         full = http.get("/health", headers={"Authorization": "Bearer k"}).json()
         assert full["engine_pid"] == 4242 and "queued_requests" in full
         assert "/v1/completions" in http.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]
@@ -182,8 +182,8 @@ def test_client_fields_vllm_and_sglang_accept(app_client):
     # Usage in every chunk (serving benchmarks send it); harmless metadata; response_format text.
     r = app_client.post("/v1/completions", json={
         "prompt": "abcd", "max_tokens": 4, "stream": True, "metadata": {"k": "v"}, "store": False,
-        "service_tier": "auto", "user": "u", "response_format": {"type": "text"},
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        "service_tier": "auto", "user": "u", "response_format": {"type": "text"}, "reasoning_effort": "low",
+        "modalities": ["text"], "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     assert r.status_code == 200, r.text
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     with_text = [c for c in chunks if c["choices"]]

@@ -44,9 +44,14 @@ def bounded_schema(model) -> dict:
         if name in props:
             target = props[name]["anyOf"][0] if "anyOf" in props[name] else props[name]
             target.update(minimum=lo, maximum=hi)
+    # Token ids mostly inside the vocabulary (past it is a 400, which the mutations reach anyway).
+    if "stop_token_ids" in props:
+        props["stop_token_ids"]["anyOf"][0]["items"].update(minimum=0, maximum=300)
     # Grammars: a few valid and invalid ones (random text is almost never a valid grammar), in two of
     # the fields that carry one (each optional field is present half the time: more would mostly
     # collide, one constraint per request); each compiles or is refused by name, never a 5xx.
+    for name in ("reasoning_effort", "modalities"):  # accepted and ignored: nothing behind them to reach
+        props.pop(name, None)
     for name in ("ebnf", "grammar", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
                  "structured_outputs"):
         props.pop(name, None)

@@ -61,7 +61,7 @@ def wait_idle(server, pages_used: float = 0.0) -> dict[str, float]:
 
 def test_health_models_and_api_key(server, oai):
     health = httpx.get(server.url + "/health")  # no key needed, but then only the status
-    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": [{"replica": 0, "state": "serving"}]}
     health = httpx.get(server.url + "/health", headers=AUTH)
     assert health.status_code == 200 and health.json()["engine_pid"] == server.engine_pid
     assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
@@ -182,12 +182,12 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = [
     # (path, body, status, param, code, words in the message)
-    (C, {"prompt": "x", "temperature": -1}, 400, "temperature", None, [">= 0"]),
+    (C, {"prompt": "x", "temperature": -1}, 400, "temperature", None, ["[0, "]),
     (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature", None, ["number"]),
     (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p", None, ["(0, 1]"]),
     (C, {"prompt": "x", "top_k": -5}, 400, "top_k", None, []),
     (C, {"prompt": "x", "min_p": 2}, 400, "min_p", None, []),
-    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None, [">= 1"]),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None, ["[1, "]),
     (C, {"prompt": "x", "n": 0}, 400, "n", None, []),
     (C, {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty", None, ["[-2, 2]"]),
     (C, {"prompt": "x", "presence_penalty": -3}, 400, "presence_penalty", None, []),
@@ -197,6 +197,15 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "seed": "abc"}, 400, "seed", None, []),
     (C, {"prompt": "x", "seed": 2**70}, 400, "seed", None, []),
     (C, {"prompt": "x", "top_k": 2**64}, 400, "top_k", None, []),
+    # Values a float32 / int32 table cannot hold, and token ids past the vocabulary, are 400s before
+    # they reach the engine core (1e308 once killed it: every request got 503 until a restart).
+    (C, {"prompt": "Hello", "max_tokens": 2, "temperature": 1e308}, 400, "temperature", None, ["float32"]),
+    (CHAT, {"messages": USER, "max_tokens": 2, "temperature": 1e39}, 400, "temperature", None, ["float32"]),
+    (C, {"prompt": "x", "top_k": 2**40}, 400, "top_k", None, [str(2**31 - 1)]),
+    (C, {"prompt": "x", "stop_token_ids": [10**12]}, 400, "stop_token_ids", None, ["[0, "]),
+    (C, {"prompt": "x", "logit_bias": {"100000": 5}}, 400, "logit_bias", None, ["token ids"]),
+    (C, {"prompt": "x", "min_tokens": 2**40}, 400, "min_tokens", None, []),
+    (CHAT, {"messages": USER, "modalities": ["audio"]}, 400, "modalities[0]", None, []),
     (C, {"prompt": "x", "bogus_field": 1}, 400, "bogus_field", None, ["unknown"]),
     (C, {"max_tokens": 3}, 400, "prompt", None, ["required"]),
     (C, {"prompt": ""}, 400, "prompt", None, ["empty"]),

@@ -62,10 +62,15 @@ class EngineCore:
         handled = 0
         while True:
             try:
-                msg = ipc.decode(self.inputs.recv(zmq.NOBLOCK))
+                raw = self.inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return handled
             handled += 1
+            try:
+                msg = ipc.decode(raw)  # rebuilding SamplingParams validates them again
+            except Exception as e:
+                self._reject_undecodable(raw, e)
+                continue
             if isinstance(msg, ipc.AddRequest):
                 self._add(msg)
             elif isinstance(msg, ipc.AbortRequest):
@@ -75,10 +80,25 @@ class EngineCore:
                 return None
 
     def _add(self, msg: ipc.AddRequest) -> None:
+        """Admits one request. Whatever goes wrong while admitting it fails that request alone: the
+        loop, the KV pool and every other request carry on (only a failing step ends the core)."""
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.sampling_params, request_id=msg.request_id)
         except ValueError as e:
             self._send(ipc.RequestRejected(msg.request_id, str(e)))
+        except Exception as e:
+            logger.exception("request %s failed while being admitted", msg.request_id)
+            self.engine.abort(msg.request_id)  # in case it got as far as the scheduler
+            self._send(ipc.RequestRejected(msg.request_id, f"the engine could not admit the request "
+                                                           f"({type(e).__name__}: {e})", internal=True))
+
+    def _reject_undecodable(self, raw: bytes, error: Exception) -> None:
+        """A message that does not rebuild (an AddRequest whose parameters fail their check) fails its
+        request, if it names one, and nothing else."""
+        rid = ipc.request_id_of(raw)
+        logger.warning("undecodable message%s: %s", f" for request {rid}" if rid else "", error)
+        if rid is not None:
+            self._send(ipc.RequestRejected(rid, str(error), internal=not isinstance(error, ValueError)))
 
     def stats(self) -> ipc.EngineStats:
         sched = self.engine.scheduler

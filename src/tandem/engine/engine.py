@@ -194,19 +194,25 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, the context length is {self.max_model_len} "
                              "(prompt plus at least one new token must fit)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.arch.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        """Queues one request. Everything that can fail for this request alone (its prompt, its
+        parameters against the vocabulary and the tables they are stored in, its grammar) fails here,
+        before anything is counted, so a bad request never reaches a step."""
         self.validate_prompt(prompt_token_ids)
-        params.validate()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        params.validate(self.arch.vocab_size)
         if params.constrained:
             self._compile_grammar(params)
         rid = request_id or f"req-{next(self._ids)}"
+        detok = StopStringDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self.scheduler.add_request(Request(rid, list(prompt_token_ids), params, self.eos_token_ids))
-        self._detok[rid] = StopStringDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._detok[rid] = detok
         self._logprobs[rid] = []
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[rid] = {}

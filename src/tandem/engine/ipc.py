@@ -89,10 +89,12 @@ class CoreOutputs:
 
 @dataclass
 class RequestRejected:
-    """`Engine.add_request` raised ValueError (the front end answers 400 with the message)."""
+    """`Engine.add_request` failed for this request: ValueError (bad input: the front end answers 400
+    with the message) or, with `internal`, any other exception (500; the engine carries on)."""
 
     request_id: str
     message: str
+    internal: bool = False
 
 
 @dataclass
@@ -113,6 +115,16 @@ def encode(msg) -> bytes:
 def decode(data: bytes):
     name, body = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias maps int keys
     return _build(MESSAGES[name], body)
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request id an encoded message carries, read without rebuilding it (None if it has none)."""
+    try:
+        _, body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        rid = body.get("request_id")
+    except Exception:
+        return None
+    return rid if isinstance(rid, str) else None
 
 
 def _plain(x):

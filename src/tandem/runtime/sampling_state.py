@@ -60,9 +60,11 @@ class SamplingState:
     def admit(self, row: int, params: SamplingParams, seed: int, num_prompt: int = 0,
               suppress_ids: tuple[int, ...] = ()) -> None:
         """Writes a request's parameters into its row (scalar fills: no host sync) and clears its counts."""
-        values = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                      seed=seed, repetition_penalty=params.repetition_penalty,
-                      frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
+        # float(): a Python int such as 10**30 is a valid temperature but no int64 holds it.
+        values = dict(temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
+                      min_p=float(params.min_p), seed=seed, repetition_penalty=float(params.repetition_penalty),
+                      frequency_penalty=float(params.frequency_penalty),
+                      presence_penalty=float(params.presence_penalty))
         for name in _FIELDS:
             getattr(self, name)[row] = values[name]
         if params.needs_penalties:

@@ -89,20 +89,22 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
 
     @app.get("/health")
     async def health(request: Request):
-        # Unhealthy as soon as any replica is gone, though the others still serve: the deployment
-        # is not what was asked for, and an orchestrator should restart it. Without the API key
-        # (when one is set) only the status: process ids and queue lengths are not for anyone.
+        # 200 while any replica serves (a load balancer must not take out a server that still
+        # answers), "degraded" when some are gone; 503 only when none is left. Without the API key
+        # (when one is set) only the status: process ids, reasons and queues are not for anyone.
         if drain.started:
             raise shutting_down()
-        reason = replicas.unhealthy_reason
-        if reason is not None:
-            detail = f": {reason}" if key_ok(request) else ""
+        states = replicas.states()
+        serving = [s for s in states if s["state"] == "serving"]
+        if not serving:
+            detail = f": {replicas.dead_reason}" if key_ok(request) else ""
             raise OpenAIError(503, f"the engine is not available{detail}", code="engine_unavailable")
+        status = "ok" if len(serving) == len(states) else "degraded"
         if not key_ok(request):
-            return {"status": "ok"}
+            return {"status": status, "replicas": [{"replica": s["replica"], "state": s["state"]} for s in states]}
         pids = replicas.pids
-        return {"status": "ok", "model": model_name, "engine_pid": pids[0], "engine_pids": pids,
-                "queued_requests": replicas.num_queued}
+        return {"status": status, "model": model_name, "engine_pid": pids[0], "engine_pids": pids,
+                "queued_requests": replicas.num_queued, "replicas": states}
 
     api = APIRouter(dependencies=[Depends(check_api_key)], route_class=CatchAllRoute)
 

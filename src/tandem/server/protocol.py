@@ -74,6 +74,8 @@ class SamplingRequest(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    reasoning_effort: str | None = None  # no reasoning phase to shorten: the output is the same
+    modalities: list[Literal["text"]] | None = None  # text is the only output there is
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (server/structured.py)
     # Structured output as SGLang and vLLM take it (at most one way per request; server/structured.py)
     json_schema: dict | str | None = None  # SGLang

@@ -8,8 +8,8 @@ between idle replicas). All engine requests of one HTTP request (its prompts tim
 one replica, and the HTTP request keeps its replica: deltas come from it and aborts go to it.
 
 A replica that dies fails its own in-flight requests (503, `engine_unavailable`); the others keep
-theirs and keep taking new requests, while `/health` answers 503 naming the dead replica. Only when
-no replica is left does every new request get 503.
+theirs and keep taking new requests, while `/health` answers 200 with status "degraded" and each
+replica's state. Only when no replica is left do `/health` and every new request get 503.
 """
 
 from __future__ import annotations
@@ -90,6 +90,17 @@ class ReplicaSet:
     @property
     def pids(self) -> list[int | None]:
         return [c.process.pid for c in self.replicas]
+
+    def states(self) -> list[dict]:
+        """Each replica's state for `/health`: serving, or dead with the reason."""
+        out = []
+        for r, c in enumerate(self.replicas):
+            state = {"replica": r, "state": "serving" if c.alive else "dead", "pid": c.process.pid,
+                     "queued_requests": c.num_queued}
+            if not c.alive:
+                state["reason"] = self._reason(c)
+            out.append(state)
+        return out
 
     def statuses(self) -> list[ReplicaStatus]:
         return [ReplicaStatus(r, c.alive, c.stats, c.num_in_flight, self._routed[r])

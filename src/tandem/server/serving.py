@@ -113,6 +113,8 @@ class Generation:
                 raise item
             if isinstance(item, ipc.RequestRejected):
                 self._open.discard(item.request_id)
+                if item.internal:
+                    raise OpenAIError(500, item.message, code="internal_error")
                 raise bad_request(item.message, self.prompt_param)
             delta, now = item
             return self._apply(self._by_id[delta.request_id], delta, now)
@@ -579,12 +581,14 @@ class OpenAIServing:
             except ValueError:
                 raise bad_request("logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_new_tokens=max_tokens, min_tokens=req.min_tokens, logit_bias=bias, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty,
                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, **(grammar or {}))
+            params.validate(self.replicas.info.vocab_size)  # token ids (stop_token_ids, logit_bias) too
+            return params
         except ValueError as e:
             raise from_sampling_params_error(e, names) from None
 
