@@ -41,7 +41,7 @@ class EngineArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
-    speculative_adaptive: str = "on"  # on: choose the draft depth per step (speculative/policy.py); off: fixed
+    speculative_adaptive: str = "on"  # on: choose the draft depth per step (speculative/policy/); off: fixed
     # on: a step that can admit a waiting request admits prompts only (running requests wait that step);
     # off: prompts share steps with decodes; auto: on with speculation, off without (see Scheduler.schedule)
     prefill_first: str = "auto"

@@ -1,6 +1,6 @@
 """Steps that draft nothing, and the draft catching up afterwards.
 
-When the adaptive policy (speculative/policy.py) picks depth 0, the step is plain decoding's
+When the adaptive policy (speculative/policy/) picks depth 0, the step is plain decoding's
 (speculative/root_step.py). Running the draft extend over its one new token would keep the draft in step, but
 costs a draft forward every step (measured on an H200, Llama-3.1-8B shape: 0.64 ms on a 4.8 ms step),
 which is exactly the case where the draft is not worth running. So a depth-0 step *defers* the extend:
@@ -23,8 +23,8 @@ from tandem.layers.attention.torch_backend import TorchAttentionMetadata
 # Depth-0 steps a request can defer before a catch-up is forced. A catch-up costs about one extend at
 # small batches (memory-bound on the draft's weights), and at large ones mostly its gather of every
 # row's KV window, whatever the number of queries: 0.42 ms at batch 1 and 1.31 ms at batch 128 for a
-# window of 8 (8B shape, H200, bench/results/depth0_cost_h200.json), 1.1% and 2.9% of a long run of
-# depth-0 steps. A window as long as the probe interval (policy.py: 32 steps) cuts that about
+# window of 8 (8B shape, H200), 1.1% and 2.9% of a long run of depth-0 steps. A window as long as the
+# probe interval (DepthPolicy's probe_every: 32 steps) cuts that about
 # fourfold; the buffer costs W * feature bytes per state row (57 MB for an 8B EAGLE-3 head, 72 rows).
 CATCH_UP_WINDOW = 32
 

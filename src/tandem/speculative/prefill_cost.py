@@ -1,10 +1,10 @@
 """What one more prompt token adds to the draft's prefill: the slope of a line through its timed calls.
 
-Adaptive admission (speculative/policy.py `prefill_share_ms`) charges a new request its draft's prefill,
+Adaptive admission (speculative/policy/ `prefill_share_ms`) charges a new request its draft's prefill,
 per prompt token. A prefill call costs a fixed part (launching its kernels: on an H200 the demo pair's
 one-layer draft is host-bound, about as long for 128 tokens as for 1,024) and a part per token. Charged at
-the mean time per token, a batch of 32 was charged the fixed part of batch-1 calls 32 times over, a share
-larger than the step it was weighed against. The fixed part is paid per call, and calls batch many prompts:
+the mean time per token, a batch of 32 would be charged the fixed part of batch-1 calls 32 times over, a
+share larger than the step it is weighed against. The fixed part is paid per call, and calls batch many prompts:
 only the slope (what one more token adds) belongs to one request. Where the calls seen so far are too alike
 in size to tell the two apart, the mean time per token stands in (an upper bound on the slope).
 """

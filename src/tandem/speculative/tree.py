@@ -207,9 +207,9 @@ def _top_stable(scores: Tensor, k: int) -> Tensor:
 
 
 def _no_nan(logp: Tensor) -> Tensor:
-    """NaN log-probs as -inf. A dormant request (speculative/policy.py) drafts from no state: its draft
+    """NaN log-probs as -inf. A dormant request (speculative/policy/) drafts from no state: its draft
     attends to KV entries never written, which can hold NaN, and NaN scores break the ordering that
-    keeps every chosen node's parent chosen (its tree's parents and depths then disagreed, and its
-    accept walk skipped a depth). At -inf every score ties and creation order decides, as for any tie."""
+    keeps every chosen node's parent chosen (the tree's parents and depths would disagree, and its
+    accept walk would skip a depth). At -inf every score ties and creation order decides, as for any tie."""
     return torch.nan_to_num(logp, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 

@@ -161,11 +161,11 @@ class SpecWorker:
         mode, replayed at each captured batch size on padded rows only (they touch only the sink page and
         the pad row); each mode's dormant-decode graph; and the catch-up graph's time, which the steps that
         run it leave out of their own. (Each mode has a table of its own: on an H200 the demo pair's
-        batch-32 step cost 0.5 ms greedy and 1.3 ms with every sampling stage on.)"""
+        batch-32 step costs 0.5 ms greedy and 1.3 ms with every sampling stage on.)"""
         started = time.perf_counter()
         # Batch size by batch size, every shape of a mode side by side, twice, keeping each one's faster
         # round: the policy compares shapes at one batch size, and timed shape by shape a slow stretch of the
-        # GPU landed on one shape at every batch size.
+        # GPU would land on one shape at every batch size.
         graphs = {(features, shape): self.phases.iteration_graph(features, shape)
                   for features in GRAPHED_SAMPLING + GRAPHED_GENERAL for shape in self.policy.options}
         # Constrained batches: only depth 0 replays a graph; the drafting shapes are timed as they run.
@@ -225,7 +225,7 @@ class SpecWorker:
         ids = tuple(c.request_id for c in verify)
         if self._all_dormant(ids):
             # No row has draft state: drafts would accept nothing and teach nothing. (Asking the policy
-            # cost 63-66 us a step on an H200's host, a quarter of the demo pair's plain decode step.)
+            # costs 63-66 us a step on an H200's host, a quarter of the demo pair's plain decode step.)
             return self.policy.options[0]
         pure_decode = len(verify) == len(sched.chunks)
         if pure_decode:  # (policy.REPEAT_DEPTH0_STEPS; constrained batches keep their choices under another key)
@@ -468,7 +468,7 @@ class SpecWorker:
         if self._last is not None and self._last.staging_released is not None:
             s.host_wait(self._last.staging_released)
         s.write("page_table_staging", "host")
-        # Through numpy views: a torch tensor and slice copy per row cost 240 us a step at batch 32 on a
+        # Through numpy views: a torch tensor and slice copy per row costs 240 us a step at batch 32 on a
         # CI CPU (20 us this way), and a tiny model's steps wait on the host.
         pool.staging_slots.numpy()[:b] = [pool.slot(c.request_id) for c in chunks]
         pages = pool.staging_pages.numpy()
@@ -588,7 +588,7 @@ class SpecWorker:
         outputs["out_tokens"] = out_tokens
 
     def _no_coins(self, shape: tuple[int, int], device) -> torch.Tensor:
-        """[B, N] False, sliced from one kept buffer: creating it every step was a kernel a step."""
+        """[B, N] False, sliced from one kept buffer: creating it every step would be a kernel a step."""
         buf = self._coin_buffers.get(shape[1])
         if buf is None or buf.shape[0] < shape[0]:
             buf = self._coin_buffers[shape[1]] = torch.zeros(max(shape[0], 8), shape[1], dtype=torch.bool,
@@ -683,9 +683,9 @@ class SpecWorker:
     def _launch_prefill(self, chunks, handle: SpecStepHandle, outputs, batch_ahead: int = 0) -> None:
         runner, pool, s = self.runner, self.pool, self.streams
         # The batch a new request joins: the decoding requests, those whose prompts run now, and the queued
-        # ones with room to follow (a burst of 128 prompts is prefilled 32 at a time: judged by the running
-        # batch alone, the first 96 were kept drafting at sizes 32-96 where drafting paid, then decoded at
-        # 128 where it did not).
+        # ones with room to follow (a burst of prompts is prefilled a chunk budget at a time: judged by the
+        # running batch alone, its first prompts would keep drafting at the small sizes where drafting pays,
+        # then decode at the full size where it does not).
         prompts = {c.request_id for c in chunks}
         rows = len(self.ready - prompts) + len(prompts)
         joins = self.padded_batch(max(batch_ahead, rows))
@@ -878,10 +878,9 @@ def _fixed_length(params) -> bool:
 class StepClock:
     """A step's time on a GPU: from the later of its launch and the previous step's results (of any step)
     to its own results. With overlap a step is launched while the one before still runs, so timed from
-    its launch alone it also counts the rest of that one. Prompt-only steps once left the previous
-    results' time alone: the first decode step of a batch of 32 (8B shape, H200) then counted ~30 ms
-    of prefill, and depth 0 (its usual choice) read 6.0 ms in the policy's table against 5.2 true, so a
-    chain of one drafted in vain at acceptance 0 (0.88x plain)."""
+    its launch alone it also counts the rest of that one. Prompt-only steps move the previous results'
+    time too: else the first decode step after them counts their prefill (~30 ms at batch 32, 8B shape,
+    H200), and depth 0, its usual choice, reads dearer than it is, so drafting looks worth it where it is not."""
 
     def __init__(self):
         self.last = 0.0
