@@ -41,7 +41,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     args = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
                       max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
                       shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
-                      log_level=ns.log_level)
+                      log_level=ns.log_level, load_balance_method=ns.load_balance_method)
     return run_server(args, engine_kwargs(ns))
 
 
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--load-balance-method", default="cache_aware", choices=["cache_aware", "shortest_queue"],
+                     help="data parallelism: send a prompt where its prefix is cached (within a small load gap), "
+                          "or by load alone")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the path)")
     srv.add_argument("--max-queued-requests", type=int, default=None,

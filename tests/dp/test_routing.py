@@ -186,3 +186,87 @@ def test_cli_reports_an_impossible_layout_before_starting_anything(capsys):
     assert "needs 1000 GPUs" in capsys.readouterr().err
     assert main(["generate", "--dp-size", "2", "--device", "cpu"]) == 2
     assert "tandem serve --dp-size" in capsys.readouterr().err
+
+
+# ---- cache-aware routing --------------------------------------------------------------------------
+
+from tandem.server.prefix_routing import PrefixRouter, ReplicaPrefixIndex, page_hashes  # noqa: E402
+
+PAGE = 4
+
+
+def cache_aware_set(n: int, capacity_pages: int = 1000) -> tuple[ReplicaSet, list[FakeReplica]]:
+    fakes = [FakeReplica(f"replica {r} engine core") for r in range(n)]
+    rs = ReplicaSet(fakes, "cache_aware")
+    rs.use_page_size(PAGE, capacity_pages)
+    return rs, fakes
+
+
+def test_page_hashes_chain_over_the_whole_prefix():
+    a = page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], PAGE)
+    assert len(a) == 2  # the partial third page is not a page
+    assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8], PAGE) == a
+    # The same second page under another first page is another page.
+    b = page_hashes([9, 9, 9, 9, 5, 6, 7, 8], PAGE)
+    assert b[1] != a[1]
+
+
+def test_a_conversation_follows_its_history_within_the_load_gap():
+    rs, fakes = cache_aware_set(2)
+    history = list(range(100, 124))  # six pages
+    first = fakes.index(rs.pick(1, [history]))
+    other = 1 - first
+    # The next turn extends the history: it goes back although the other replica is idle, and while
+    # its replica runs up to `slack` (2) more requests than the other.
+    fakes[first].num_in_flight = 2
+    turn2 = history + [7, 8, 9, 10, 11]
+    assert fakes.index(rs.pick(1, [turn2])) == first
+    # Three more than the other: the gap is too large, load decides.
+    fakes[first].num_in_flight = 3
+    assert fakes.index(rs.pick(1, [turn2])) == other
+    # A prompt nobody holds goes by load (the idle replica), and is then remembered there.
+    fakes[first].num_in_flight = 0
+    fakes[other].num_in_flight = 1
+    fresh = list(range(500, 512))
+    assert fakes.index(rs.pick(1, [fresh])) == first
+
+
+def test_finished_outputs_are_remembered_where_they_ran():
+    rs, fakes = cache_aware_set(2)
+    prompt, answer = list(range(10, 18)), list(range(60, 68))
+    where = rs.pick(1, [prompt])
+    rs.remember(where, [prompt + answer])
+    fakes[fakes.index(where)].num_in_flight = 1  # busier, but within the gap
+    assert rs.pick(1, [prompt + answer + [1, 2, 3, 4]]) is where
+
+
+def test_the_index_forgets_least_recently_used_pages_first():
+    index = ReplicaPrefixIndex(capacity_pages=3)
+    old, new = page_hashes(list(range(8)), PAGE), page_hashes(list(range(50, 58)), PAGE)
+    index.record(old)
+    index.record(new)  # four pages recorded, three kept: the oldest page of `old` went first
+    assert len(index) == 3 and index.matched_pages(old) == 0 and index.matched_pages(new) == 2
+
+
+def test_shortest_queue_ignores_prefixes():
+    fakes = [FakeReplica(f"replica {r} engine core") for r in range(2)]
+    rs = ReplicaSet(fakes, "shortest_queue")
+    rs.use_page_size(PAGE, 100)
+    history = list(range(100, 124))
+    first = rs.pick(1, [history])
+    first.num_in_flight = 1
+    assert rs.pick(1, [history]) is not first
+    with pytest.raises(ValueError, match="load_balance_method"):
+        ReplicaSet(fakes, "random")
+
+
+def test_router_choice_prefers_the_longest_match_among_near_loads():
+    router = PrefixRouter(3, PAGE, 100, slack=1)
+    long_prompt = list(range(40))
+    router.record(0, router.hashes([long_prompt[:8]]))
+    router.record(1, router.hashes([long_prompt[:32]]))
+    router.record(2, router.hashes([long_prompt]))
+    hashes = router.hashes([long_prompt])
+    assert router.choose([0, 1, 2], {0: 0, 1: 1, 2: 5}, hashes) == 1  # 2 holds more but is 5 behind
+    assert router.choose([0, 1, 2], {0: 0, 1: 0, 2: 1}, hashes) == 2
+    assert router.choose([0, 1], {0: 0, 1: 0}, router.hashes([[7] * 12])) is None  # nobody holds it

@@ -26,6 +26,7 @@ class ServerArgs:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "INFO"
     tool_call_parser: str | None = None  # structured/tool_parsers.FORMATS; None: from the chat template
+    load_balance_method: str = "cache_aware"  # data parallelism: server/replicas.LOAD_BALANCE_METHODS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -60,7 +61,8 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
         logger.info("no --model-path: serving the bundled demo pair (%s)", model_path)
 
     dp_size = engine_kwargs.get("dp_size", 1)
-    replicas = ReplicaSet.spawn(engine_kwargs, args.log_level)  # ValueError before any process starts
+    replicas = ReplicaSet.spawn(engine_kwargs, args.log_level,  # ValueError before any process starts
+                                args.load_balance_method)
     logger.info("starting %s for %s", f"{dp_size} engine core replicas" if dp_size > 1 else "the engine core",
                 model_path)
     replicas.launch()

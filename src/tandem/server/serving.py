@@ -89,7 +89,7 @@ class Generation:
 
     def start(self) -> None:
         try:
-            self.replica = self.replicas.pick(len(self.choices))
+            self.replica = self.replicas.pick(len(self.choices), self.prompts)
         except EngineDead as e:
             raise engine_unavailable(str(e)) from None
         for c in self.choices:
@@ -142,6 +142,7 @@ class Generation:
             c.finish_reason = reason
             self._open.discard(c.request_id)
             self.metrics.on_finished(reason, c.arrival, now)
+            self.replicas.remember(self.replica, [c.prompt_token_ids + c.token_ids])  # its pages stay cached there
         return Update(c, text, new_logprobs, reason)
 
     def interrupt(self, error: OpenAIError) -> None:
