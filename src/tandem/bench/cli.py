@@ -59,6 +59,15 @@ def add_bench_parser(sub) -> None:
                    help="how the engines held together take turns: step by step, each timed on its own calls "
                         "(the default on a CPU: a slow stretch of the machine lands on both alike), or run by run "
                         "(the default on a GPU, where a step returns before its device work is done)")
+    p.add_argument("--workload", choices=["batch", "multi-turn", "no-reuse"], default="batch",
+                   help="batch: batches of random prompts (default); multi-turn: conversations sharing a system "
+                        "prompt, each turn resending its history, prefix cache on and off (bench/multi_turn.py); "
+                        "no-reuse: the same lengths with nothing shared")
+    p.add_argument("--conversations", type=int, default=32, help="multi-turn: conversations side by side")
+    p.add_argument("--conversation-turns", type=int, default=6, help="multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=1024, help="multi-turn: tokens of the shared system prompt")
+    p.add_argument("--user-len", type=int, default=128, help="multi-turn: tokens of each user message")
+    p.add_argument("--answer-len", type=int, default=128, help="multi-turn: tokens of each answer")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -70,6 +79,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
     if ns.sweep:
         return _cmd_sweep(ns)
+    if ns.workload != "batch":
+        from tandem.bench.multi_turn import main_from_namespace
+
+        return main_from_namespace(ns)
     ns.batch_sizes = ns.batch_sizes or list(DEFAULT_BATCH_SIZES)
     cfg = BenchConfig(
         engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
