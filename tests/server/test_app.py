@@ -324,3 +324,10 @@ def test_requests_a_schema_fuzzer_found():
         assert "text/event-stream" in schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
         r = http.post("/detokenize", json={"tokens": [-1]})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("tokens")
+
+
+def test_n_samples_of_the_largest_seed_stay_in_range(app_client):
+    # Sample i is seeded seed + i, masked to int64 as the engine masks every seed (no 5xx past 2**63 - 1).
+    r = app_client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 2, "n": 3, "seed": 2**63 - 1})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3

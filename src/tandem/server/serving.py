@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.engine import ipc
-from tandem.request import SamplingParams, TokenLogprob
+from tandem.request import SEED_MASK, SamplingParams, TokenLogprob
 from tandem.server.detokenizer import IncrementalDetokenizer
 from tandem.server.drain import Drain, shutting_down
 from tandem.server.engine_client import EngineClient, EngineDead
@@ -536,7 +536,8 @@ class OpenAIServing:
             for j in range(samples):
                 index = i * samples + j
                 # n samples of one request must differ, and stay reproducible under one seed.
-                seed = None if req.seed is None else req.seed + index
+                # (masked as the engine masks every seed, so seed 2**63 - 1 with n > 1 stays an int64)
+                seed = None if req.seed is None else (req.seed + index) & SEED_MASK
                 params = dataclasses.replace(base, max_new_tokens=n_new, seed=seed)
                 detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                req.include_stop_str_in_output)
