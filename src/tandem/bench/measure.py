@@ -114,7 +114,7 @@ def run_in_lockstep(runs: list["BatchRun"]) -> list[tuple[RunMetrics, list[list[
     2-core CPU four engines doing identical work (two plain, two speculative with every request dormant),
     taking turns run by run, ran 0.79-1.21x the first one's speed round by round (medians 0.957-1.023);
     taking turns step by step, 0.97-1.05x (medians 1.001-1.007;
-    bench/results/engine_instance_spread_lockstep_cpu.json). CPU engines only: on a GPU a step returns
+    bench/results/engine-instance-spread-cpu-09f0343.json). CPU engines only: on a GPU a step returns
     before its device work is done, so one engine's wait would time the other's kernels."""
     for run in runs:
         if not run.busy_clock:

@@ -192,9 +192,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _speedups(on: dict, off: dict, paired: bool) -> dict:
     """Speculation's speedup in tokens per second and in per-request latency. Runs that took turns
     (`paired`) are compared pair by pair: the median of the runs' own ratios (upper median for an even
-    count, as median_of_runs), each pair having met the same stretch of the machine. The ratio of the two
-    medians mixes runs from different stretches: on a 2-core CPU, with runs moving 86-119 tokens/s over one
-    invocation, it read 0.936 where six of seven pairs were 0.97-1.00 (bench/results/cpu-demo-session13).
+    count, as median_of_runs), each pair having met the same stretch of the machine; the ratio of the two
+    medians would mix runs from different stretches (on a 2-core CPU one invocation's runs moved 86-119 tokens/s).
     Sequential runs have no pairs: the ratio of the medians."""
     def ratio(a, b):
         return a / b if a and b else None

@@ -114,10 +114,8 @@ def point_ratios(point: dict) -> dict:
     """A grid point's ratios from its engines' runs, pair by pair: the engines took turns run by run, so run i
     of each met the same stretch of the machine, and each ratio is the upper median of the runs' own ratios
     (as `tandem bench` compares interleaved runs). The ratios of the engines' median runs stay beside them
-    ("..._of_medians"). They mix stretches: at 13f0a01 on an H200 (T 1, acceptance 0.81, batch 8) adaptive
-    drafted a chain of three on 98% of its steps as fixed depth did, each of its runs within 1% of fixed
-    depth's run beside it but for one, whose prompt step stalled (37 ms against 22); that run was adaptive's
-    median and read 0.927x fixed depth, where the pairs' median read 0.994x."""
+    ("..._of_medians"). Those mix stretches: on an H200 one run whose prompt step stalled was adaptive's
+    median run and read 0.927x fixed depth, where the pairs' median read 0.994x."""
     runs = {name: point[name].get("runs", [point[name]]) for name in MODES}
     pairs = list(zip(*(runs[name] for name in MODES)))
     tps = [[run["tokens_per_s"] for run in pair] for pair in pairs]  # (plain, fixed, adaptive) per run

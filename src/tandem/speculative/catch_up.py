@@ -23,8 +23,8 @@ from tandem.layers.attention.torch_backend import TorchAttentionMetadata
 # Depth-0 steps a request can defer before a catch-up is forced. A catch-up costs about one extend at
 # small batches (memory-bound on the draft's weights), and at large ones mostly its gather of every
 # row's KV window, whatever the number of queries: 0.42 ms at batch 1 and 1.31 ms at batch 128 for a
-# window of 8 (8B shape, H200, bench/results/depth0_cost_h200.json), 1.1% and 2.9% of a long run of
-# depth-0 steps. A window as long as the probe interval (policy.py: 32 steps) cuts that about
+# window of 8 (8B shape, H200, bench/results/depth0-cost-llama-3.1-8b-h200-6603c51.json), 1.1% and 2.9%
+# of a long run of depth-0 steps. A window as long as the probe interval (policy.py: 32 steps) cuts that about
 # fourfold; the buffer costs W * feature bytes per state row (57 MB for an 8B EAGLE-3 head, 72 rows).
 CATCH_UP_WINDOW = 32
 

@@ -5,7 +5,8 @@ last verified token, at position seq_len) goes through the target, its token is 
 of its position, exactly as verifying the root alone would (so the same seeded tokens), and the pool
 moves on by one. A request that keeps draft state has the draft extend over the new token deferred
 (speculative/catch_up.py); a dormant one (policy.admit) has none to defer for. Verifying the root as a
-one-node tree cost ten kernels more (1.4% of an 8B-shape step on an H200: bench/results/depth0_cost_h200.json).
+one-node tree cost ten kernels more (1.4% of an 8B-shape step on an H200:
+bench/results/depth0-cost-llama-3.1-8b-h200-6603c51.json).
 
 Device state only, no host values: the body of the depth-0 and dormant-decode CUDA graphs
 (speculative/phases.py) and of eager depth-0 steps alike.
