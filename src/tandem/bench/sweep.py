@@ -37,6 +37,7 @@ class SweepConfig:
     plots: bool = True
     progress: bool = True
     command: list[str] | None = None
+    trace: bool = False  # keep each speculative run's per-step trace in the record
 
 
 def run_sweep(cfg: SweepConfig) -> dict:
@@ -46,11 +47,12 @@ def run_sweep(cfg: SweepConfig) -> dict:
     from tandem import Engine
 
     kw = cfg.engine_kwargs
-    out = cfg.out or os.path.join("bench", "results", f"sweep-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = cfg.out or report.default_out("sweep")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     points = []
     result = {
-        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": cfg.command,
+        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": report.revision(),
+        "command": cfg.command,
         "label": synthetic.LABEL, "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
         # A preset's paths are temporary directories: not worth recording.
         "engine_args": {k: v for k, v in kw.items() if not (kw.get("load_format") == "dummy" and k.endswith("model_path"))},
@@ -58,8 +60,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
         "complete": False, "points": points,
     }
     engines = {"plain": Engine(**dict(kw, speculative_algorithm=None, speculative_draft_model_path=None)),
-               "fixed": Engine(**dict(kw, speculative_adaptive="off")),
-               "adaptive": Engine(**dict(kw, speculative_adaptive="on"))}
+               "fixed": Engine(**dict(kw, speculative_adaptive=False)),
+               "adaptive": Engine(**dict(kw, speculative_adaptive=True))}
     total = len(cfg.temperatures) * len(cfg.acceptance) * len(cfg.batch_sizes)
     bar = tqdm(total=total, desc="tandem bench --sweep", unit="point", disable=not cfg.progress)
     try:
@@ -82,7 +84,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
                     runs = {name: [] for name in engines}
                     for _ in range(cfg.repeats):
                         for name, engine in engines.items():
-                            runs[name].append(run_batch(engine, prompts, cfg.output_len, temperature)[0])
+                            runs[name].append(run_batch(engine, prompts, cfg.output_len, temperature,
+                                                        trace=cfg.trace)[0])
                     for name in engines:
                         point[name] = median_of_runs(runs[name])
                     point.update(point_ratios(point))
