@@ -21,7 +21,7 @@ def write_json(result: dict, path: str) -> None:
 def revision() -> str | None:
     """The git commit of the tandem source being measured (short hash, "-dirty" with uncommitted changes
     under it), or None outside a git checkout: a record names the code it measured."""
-    src = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tandem package
     try:
         def git(*args):
             return subprocess.run(["git", "-C", src, *args], capture_output=True, text=True, timeout=10,
