@@ -1,6 +1,7 @@
 """The k-th largest scaled logit per row (the top-k cut) three ways, on the GPU: a full sort (the
-sampler's original), torch.topk with a fixed k of MAX_GRAPHED_TOP_K (radix select), and a 32-step
-bisection over the float order. Checks they agree bit for bit and times each (CUDA events, medians).
+sampler's way above MAX_SELECTED_TOP_K), torch.topk of the 1,024 largest (a radix select: the sampler's
+way up to it), and a 32-step bisection over the float order. Checks they agree bit for bit and times each
+(CUDA events, medians).
 
 python bench/topk_threshold_bench.py --out topk.json
 """

@@ -6,7 +6,7 @@ Each batch size adds B random prompts of input_len tokens at once and runs them 
 tokens each (ignore_eos). Weights are a real checkpoint, the bundled demo pair, or random weights in a
 named shape (`--preset`, with a random EAGLE-3 head). Random heads accept almost nothing, so presets
 measure the pipeline's cost; `--synthetic-acceptance P` measures what a head accepting with
-probability P would gain (its outputs are then not the model's: see bench/synthetic.py).
+probability P would gain (its outputs are then not the model's: see tandem/bench/synthetic.py).
 """
 
 from __future__ import annotations
