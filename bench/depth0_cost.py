@@ -5,14 +5,13 @@ whole-iteration graph (and the catch-up graph, which runs once per CATCH_UP_WIND
 the CUDA kernels inside one replay of each (torch.profiler), the depth-0 graph's extra kernels listed
 by time. Prints a table and writes JSON.
 
-    python bench/depth0_cost.py --shape llama-3.1-8b --batch-sizes 1 32 128 --out bench/results/depth0_cost_h200.json
+    python bench/depth0_cost.py --shape llama-3.1-8b --batch-sizes 1 32 128 --out depth0_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.presets import write_preset  # noqa: E402
 from tandem.layers.sampler import GREEDY  # noqa: E402
 from tandem.speculative.policy import DraftShape  # noqa: E402
@@ -87,8 +87,7 @@ def main() -> None:
         for name, us in list(r["depth0_extra_us"].items())[:12]:
             print(f"    +{us:8.1f} us  {name}")
     if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump({"shape": ns.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        report.write_json({"shape": ns.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}, ns.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ with every admission and demotion judgment of the policy recorded: the batch siz
 whether its estimate was settled, the best drafting option's expected tokens per ms, the dormant step's
 cost it was weighed against, and the answer.
 
-python bench/dormancy_probe.py --out bench/results/dormancy_probe.json [--batch-sizes 1 8] [--repeats 5]
+python bench/dormancy_probe.py --out dormancy.json [--batch-sizes 1 8] [--repeats 5]
     [--device cpu]
 
 Prints, per mode and batch size, each run's steps by depth, dormant counts and the first judgments.

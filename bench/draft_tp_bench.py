@@ -8,11 +8,10 @@ bf16 weights, triton attention over a 256-token paged prefix, each forward repla
 graph; two processes on two GPUs (NCCL), or on a CPU with gloo for a smoke run (`--device cpu`,
 eager, float32).
 
-python bench/draft_tp_bench.py --out bench/results/x2_draft_tp.json
+python bench/draft_tp_bench.py --out draft_tp.json
 """
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -170,8 +169,7 @@ def main():
                 "device": torch.cuda.get_device_name(0) if ns.device == "cuda" else "cpu",
                 "torch": torch.__version__, "shape": "llama-3.1-8b EAGLE-3 head (draft vocab 32000)",
                 "prefix_tokens": PREFIX, "rows": rows}
-        with open(ns.out, "w") as f:
-            json.dump(info, f, indent=1)
+        report.write_json(info, ns.out)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ first-built engine's, round by round. With identical work every ratio would be 1
 with the engines taking turns step by step, each timed on its own calls (`run_in_lockstep`, what `tandem
 bench` does on a CPU).
 
-OMP_NUM_THREADS=1 PYTHONPATH=src python bench/engine_instance_spread.py \
-    --out bench/results/engine_instance_spread_cpu.json
+OMP_NUM_THREADS=1 PYTHONPATH=src python bench/engine_instance_spread.py --out spread.json
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.measure import (BatchRun, admit_every_request_dormant, random_prompts, run_batch,  # noqa: E402
                                   run_in_lockstep)
 from tandem.demo import demo_model_paths  # noqa: E402
@@ -77,10 +76,9 @@ def main() -> None:
     for engine in engines.values():
         engine.shutdown()
     if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump({"tool": "bench/engine_instance_spread.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "command": sys.argv, "order": names, "rounds": ns.rounds, "output_len": ns.output_len,
-                       "engines_by_turns": result}, f, indent=1)
+        report.write_json({"tool": "bench/engine_instance_spread.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "command": sys.argv, "order": names, "rounds": ns.rounds, "output_len": ns.output_len,
+                           "engines_by_turns": result}, ns.out)
 
 
 if __name__ == "__main__":

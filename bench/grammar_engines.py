@@ -7,7 +7,7 @@ schema (every token must be allowed by the mask before it: a check that the thre
 language). Prints a table and writes JSON.
 
     .venv/bin/pip install xgrammar llguidance outlines-core
-    OMP_NUM_THREADS=1 .venv/bin/python bench/grammar_engines.py --out bench/results/grammar_engines_cpu.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/grammar_engines.py --out grammar_engines.json
 
 The "large" tokenizer is a byte-level BPE trained here on the Python standard library (no download
 is possible on CI machines): a stand-in for Llama-3's 128k vocabulary.
@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from tandem.bench import report
 from tandem.bench.json_schemas import random_instance, schemas
 
 
@@ -232,7 +233,7 @@ def main() -> None:
               f"{r['compile_ms_median']:10.1f} / {r['compile_ms_max']:8.1f} "
               f"{r['mask_us_median']:12.1f} / {r['mask_us_p99']:10.1f} {r['documents_rejected']:8d}")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"schemas": args.schemas, "rows": rows}, indent=1) + "\n")
+        report.write_json({"schemas": args.schemas, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Each engine method on a step's path is wrapped with a timer, so the table gives 
 step in: scheduling, choosing the draft shape, launching, waiting for the device, reading the results,
 and the engine's own processing. One cProfile per engine (the last batch size) lists the top functions.
 
-    python bench/host_profile.py --batch-sizes 1 8 32 --output-len 128 --repeats 5 --out bench/results/host_profile.json
+    python bench/host_profile.py --batch-sizes 1 8 32 --output-len 128 --repeats 5 --out host.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import cProfile
 import collections
 import functools
 import io
-import json
 import os
 import pstats
 import sys
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.measure import admit_every_request_dormant, random_prompts, run_batch  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
 from tandem.engine.engine import Engine as EngineClass  # noqa: E402
@@ -127,8 +127,8 @@ def main() -> None:
               max_running_requests=max_bs, context_length=context, max_total_tokens=max_bs * (context + 64),
               cuda_graph_max_bs=max_bs, device=ns.device)
     configs = {"plain": dict(kw, speculative_algorithm=None, speculative_draft_model_path=None),
-               "fixed": dict(kw, speculative_adaptive="off"), "adaptive": dict(kw, speculative_adaptive="on"),
-               "dormant": dict(kw, speculative_adaptive="on")}
+               "fixed": dict(kw, speculative_adaptive=False), "adaptive": dict(kw, speculative_adaptive=True),
+               "dormant": dict(kw, speculative_adaptive=True)}
     timers = Timers()
     for cls, name, label in SEGMENTS:
         timers.wrap(cls, name, label)
@@ -196,8 +196,7 @@ def main() -> None:
     for engine in engines.values():
         engine.shutdown()
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Iteration time and GPU idle time of the speculative decode loop with and without the overlap
-scheduler and the plan stream (random weights in real shapes, EAGLE-3 chain of 3 steps, bf16).
+scheduler and the plan stream (random weights in real shapes, EAGLE-3 chain of 3 steps at fixed depth, bf16:
+adaptive depth would stop drafting for a random head).
 
-python bench/overlap_bench.py --out bench/results/overlap_h200.json [--shapes llama-3.2-1b llama-3.1-8b]
+python bench/overlap_bench.py --out overlap.json [--shapes llama-3.2-1b llama-3.1-8b]
     [--attention-backend torch|triton] [--disable-cuda-graph] [--plain]
 
 --plain adds one row per batch for plain decoding (no draft) in the same run, as the baseline.
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine, SamplingParams  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.presets import write_preset  # noqa: E402
 
 PROMPT_LEN = 256
@@ -151,7 +153,7 @@ def main():
         for overlap, plan in configs:
             spec = {} if overlap is None else dict(
                 speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3,
-                speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=False,
                 disable_overlap_schedule=not overlap, disable_plan_stream=not plan)
             engine = Engine(target, load_format="dummy", device="cuda", dtype="bfloat16", **spec,
                             attention_backend=ns.attention_backend, disable_cuda_graph=ns.disable_cuda_graph,
@@ -170,8 +172,7 @@ def main():
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": "python bench/overlap_bench.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(result, ns.out)
     print(f"{'shape':14} {'mode':5} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'gpu ms':>7} {'idle':>6}"
           "  host ms: sched launch wait update")
     for r in rows:

@@ -1,7 +1,6 @@
-"""Sampled against greedy iteration time, speculative and plain, in one process (issue: sampled
-speculation at greedy speed).
+"""Sampled against greedy iteration time, speculative (fixed and adaptive depth) and plain, in one process.
 
-python bench/sampling_bench.py --out bench/results/sampling_h200.json [--shapes demo llama-3.1-8b]
+python bench/sampling_bench.py --out sampling.json [--shapes demo llama-3.1-8b]
     [--batch-sizes 1 8 32] [--output-len 96] [--input-len 128] [--repeats 3]
 
 For each shape it builds three engines, which take turns run by run: speculative at a fixed depth (EAGLE-3 chain of 3, CUDA graphs,
@@ -17,7 +16,6 @@ acceptance is about 1, so it measures the per-iteration cost of sampling, not sp
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -27,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.measure import median_of_runs, random_prompts, run_batch  # noqa: E402
 from tandem.bench.presets import write_preset  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
@@ -54,7 +53,7 @@ def measure(kw: dict, sizes, input_len: int, output_len: int, repeats: int) -> d
     (the demo pair's steps are host-bound: plain decoding's batch-32 step ran 0.51 ms in one run and
     1.06 ms in the next) landed on one engine alone, and adaptive's whole batch-32 set once ran at 2x
     fixed depth's step time, shape for shape."""
-    configs = {"fixed": dict(kw, speculative_adaptive="off"), "adaptive": dict(kw, speculative_adaptive="on"),
+    configs = {"fixed": dict(kw, speculative_adaptive=False), "adaptive": dict(kw, speculative_adaptive=True),
                "plain": dict(kw, speculative_algorithm=None, speculative_draft_model_path=None)}
     engines = {}
     try:
@@ -121,8 +120,7 @@ def main() -> None:
                       f"| {r['plain_step_ms']:.3f} ({r['plain_vs_greedy_plain']:.3f}x) | {r['spec_tau']}/{r['adaptive_tau']} "
                       f"| {r['fixed_tokens_per_s_vs_plain']:.3f}, {r['adaptive_tokens_per_s_vs_plain']:.3f}", flush=True)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
 """GPU time of one sampling call at the 8B shape's vocabulary (128,256), replayed from a CUDA graph as the
 decode iteration replays it: greedy argmax against the sampling kernel (temperature 1; top-p 0.9; min-p;
 top-k 50, which adds a sort) at several warp counts and numbers of parallel pivot rounds (0: each row
-settles alone, as before 2026-12-01's fourth session), for flat logits (random-weight models) and peaked
+settles alone), for flat logits (random-weight models) and peaked
 ones (trained models), and the torch reference (noise written out, a sort) for scale. Every variant's
 tokens are checked against the reference's.
 
-python bench/sampling_kernel_bench.py --out bench/results/sampling_kernel_h200.json
+python bench/sampling_kernel_bench.py --out kernel.json
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from tandem.bench import report  # noqa: E402
 from tandem.layers import sampling_kernels  # noqa: E402
 from tandem.layers.sampler import (  # noqa: E402
     GREEDY,
@@ -92,10 +92,9 @@ def main() -> None:
     sampling_kernels.NUM_WARPS, sampling_kernels.PIVOT_ROUNDS = default_warps, default_rounds
     sampling_kernels.PIVOT_ROUNDS_MAX_ROWS = max_rows
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump({"tool": "bench/sampling_kernel_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "command": ["python", *sys.argv], "device": torch.cuda.get_device_name(0),
-                   "vocab": VOCAB, "results": results}, f, indent=1)
+    report.write_json({"tool": "bench/sampling_kernel_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "command": ["python", *sys.argv], "device": torch.cuda.get_device_name(0),
+                       "vocab": VOCAB, "results": results}, ns.out)
 
 
 if __name__ == "__main__":

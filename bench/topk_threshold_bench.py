@@ -1,15 +1,20 @@
 """The k-th largest scaled logit per row (the top-k cut) three ways, on the GPU: a full sort (the
-sampler's original), torch.topk with a fixed k of MAX_GRAPHED_TOP_K (radix select), and a 32-step
-bisection over the float order. Checks they agree bit for bit and times each (CUDA events, medians).
+sampler's way above MAX_SELECTED_TOP_K), torch.topk of the 1,024 largest (a radix select: the sampler's
+way up to it), and a 32-step bisection over the float order. Checks they agree bit for bit and times each
+(CUDA events, medians).
 
-python bench/topk_threshold_bench.py --out bench/results/topk_threshold_h200.json
+python bench/topk_threshold_bench.py --out topk.json
 """
 
 import argparse
-import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from tandem.bench import report  # noqa: E402
 
 K_MAX = 1024
 
@@ -64,9 +69,8 @@ def main():
             row[f"{name}_ms"] = round(time_ms(fn, x, k), 4)
         rows.append(row)
         print(row, flush=True)
-    json.dump({"tool": "bench/topk_threshold_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows},
-              open(ns.out, "w"), indent=1)
+    report.write_json({"tool": "bench/topk_threshold_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, ns.out)
 
 
 if __name__ == "__main__":

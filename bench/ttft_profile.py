@@ -1,15 +1,14 @@
 """Where the time to first token goes, speculation on and off, for one preset shape at batch 1.
 
 For each mode it builds the engine as `tandem bench` does (random weights, synthetic acceptance for
-speculation), warms up, then runs single requests and records, for the steps up to the first token:
+speculation, at the fixed depth of a chain of 3), warms up, then runs single requests and records, for the steps up to the first token:
 the wall time of each `engine.step()` (host), and under the torch profiler the GPU kernels that ran
 (busy time, top kernels). The JSON says how much of the TTFT is GPU work and how much the host.
 
-python bench/ttft_profile.py --preset llama-3.1-8b --out bench/results/ttft_h200.json
+python bench/ttft_profile.py --preset llama-3.1-8b --out ttft.json
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine, SamplingParams  # noqa: E402
-from tandem.bench import synthetic  # noqa: E402
+from tandem.bench import report, synthetic  # noqa: E402
 from tandem.bench.measure import random_prompts  # noqa: E402
 from tandem.bench.run import BenchConfig, resolve_engine_kwargs  # noqa: E402
 
@@ -110,7 +109,7 @@ def main():
               "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "preset": ns.preset, "input_len": ns.input_len,
               "label": synthetic.LABEL, "command": "python " + " ".join(sys.argv), "modes": {}}
     with tempfile.TemporaryDirectory() as d:
-        spec_kw = resolve_engine_kwargs(cfg, d)
+        spec_kw = dict(resolve_engine_kwargs(cfg, d), speculative_adaptive=False)  # (the configured chain, always)
         plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
         for mode, kw, p in (("spec_on", spec_kw, ns.synthetic_acceptance), ("spec_off", plain_kw, None)):
             for overlap in (True,) if ns.overlap_only else (True, False):
@@ -122,8 +121,7 @@ def main():
                 for k in r["top_kernels"]:
                     print(f"   {k['ms']:8.3f} ms {k['count']:5d}x  {k['kernel']}")
     if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_json(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ from tandem.engine_flags import add_engine_args, engine_kwargs
 from tandem.train.cli import add_train_draft_parser
 from tandem.train.demo_cli import add_make_demo_pair_parser
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Without --log-level: the server and the trainers report their progress in the log; generate and bench show
+# their progress bars and output, and the engine's own lines (KV cache size, draft depth changes) only at INFO.
+DEFAULT_LOG_LEVEL = {"serve": "INFO", "train-draft": "INFO", "make-demo-pair": "INFO"}
+
+
+def log_level(ns: argparse.Namespace) -> str:
+    return ns.log_level or DEFAULT_LOG_LEVEL.get(ns.command, "WARNING")
+
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from tandem import Engine, SamplingParams
@@ -41,13 +50,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     args = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key, served_model_name=ns.served_model_name,
                       max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
                       shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
-                      log_level=ns.log_level, load_balance_method=ns.load_balance_method)
+                      log_level=log_level(ns), load_balance_method=ns.load_balance_method)
     return run_server(args, engine_kwargs(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
+                        help="INFO for serve, train-draft and make-demo-pair; WARNING for generate and bench")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
@@ -83,12 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_draft_parser(sub)
     add_make_demo_pair_parser(sub)
     add_bench_parser(sub)
+    for command in sub.choices.values():  # (also after the subcommand: `tandem generate --log-level info`)
+        command.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                             help="default: INFO for serve, train-draft and make-demo-pair; WARNING otherwise")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(ns), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

@@ -44,11 +44,11 @@ class SpeculativeConfig:
     num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int = 4
-    adaptive: str = "on"  # on | off: choose the draft depth per step, or always draft the configured shape
+    adaptive: bool = True  # choose the draft depth per step, or always draft the configured shape
 
     def __post_init__(self) -> None:
-        if self.adaptive not in ("on", "off"):
-            raise ValueError(f"speculative_adaptive must be 'on' or 'off' (got {self.adaptive!r})")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be True or False (got {self.adaptive!r})")
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} (got {self.algorithm!r})"

@@ -16,6 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
+        if hint is bool and f.default:  # (a flag that is on by default is turned off by name: on|off)
+            group.add_argument(flag, choices=["on", "off"], default="on")
+            continue
         if hint is bool:
             group.add_argument(flag, action="store_true", default=f.default)
             continue
@@ -24,4 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
-    return {name: getattr(ns, name) for name in EngineArgs.names()}
+    """The Engine keyword arguments the flags gave (an on|off flag as a bool)."""
+    hints = typing.get_type_hints(EngineArgs)
+    return {f.name: getattr(ns, f.name) == "on" if hints[f.name] is bool and f.default else getattr(ns, f.name)
+            for f in dataclasses.fields(EngineArgs)}

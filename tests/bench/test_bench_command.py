@@ -228,3 +228,37 @@ def test_sweep_ratios_pair_the_runs_that_took_turns():
     ratios = point_ratios(point)
     assert ratios["adaptive_vs_best"] == 1.0 and ratios["adaptive_speedup"] == 2.0 and ratios["fixed_speedup"] == 2.0
     assert ratios["adaptive_vs_best_of_medians"] == 0.95 and ratios["adaptive_speedup_of_medians"] == 1.9
+
+
+@pytest.mark.parametrize("trace", [False, True], ids=["default", "trace"])
+def test_step_traces_only_when_asked(bench, tiny_pair, trace):
+    """A record leaves each run's per-step trace out unless --trace asks (it is most of a sweep's size); with
+    it, every adaptive run lists one entry per decode step, each naming the depth whose results it took."""
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--speculative-algorithm", "EAGLE3",
+                             "--speculative-draft-model-path", tiny_pair[1], "--batch-sizes", "2", "--input-len", "5",
+                             "--output-len", "10", "--no-plots", "--repeats", "2", *(["--trace"] if trace else []))
+    assert rc == 0
+    [row] = record["batches"]
+    runs = row["spec_on"]["runs"]
+    assert len(runs) == 2 and "step_trace" not in row["spec_on"] and "step_trace" not in row["spec_off"]
+    assert all("step_trace" not in r for r in row["spec_off"]["runs"])
+    if not trace:
+        assert all("step_trace" not in r for r in runs)
+        return
+    for r in runs:
+        assert len(r["step_trace"]) == r["decode_iterations"] > 0
+        assert all(ms > 0 and -1 <= depth <= 3 for ms, depth, _ in r["step_trace"])
+
+
+def test_record_names_the_commit_it_measured(bench, tiny_pair):
+    import subprocess
+
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src", "tandem", "bench")
+    git = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    rc, record, _, _ = bench("--model-path", tiny_pair[0], "--spec", "off", "--batch-sizes", "1",
+                             "--input-len", "5", "--output-len", "4", "--no-plots")
+    assert rc == 0
+    if git.returncode != 0:  # (a copy of the tree without its git history)
+        assert record["commit"] is None
+    else:
+        assert record["commit"].split("-")[0] == git.stdout.strip()

@@ -19,7 +19,7 @@ with open(os.path.join(DEMO_DIR, "eval_prompts.json")) as f:
     HELDOUT_PROMPTS = json.load(f)["prompts"]  # cut from asyncio/email/json files, which no model saw
 
 # Chain of 3 drafts / tree of topk 4, 5 steps, 8 tokens; greedy, 8 held-out prompts, 64 new tokens,
-# CPU float32. Measured 2026-11-29: chain 2.88, tree 3.83 (the floors leave room for float noise).
+# CPU float32. Measured: chain 2.88, tree 3.83 (docs/demo_pair.md; the floors leave room for float noise).
 FLOORS = {"chain": 2.6, "tree": 3.4}
 FLOOR_PROMPTS, FLOOR_NEW_TOKENS = HELDOUT_PROMPTS[:8], 64
 

@@ -48,3 +48,32 @@ def test_invalid_temperature_exits_2(tok_ckpt):
     assert "temperature" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_generate_shows_engine_info_lines_only_when_asked():
+    """At generate's default level stderr has its progress bars but none of the engine's INFO lines (KV cache
+    size, draft depth changes) between them and the text; --log-level info (after the subcommand too) shows
+    them. The demo pair, so the speculative engine's lines are there to hide."""
+    args = ("generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--device", "cpu")
+    quiet = run_cli(*args)
+    assert quiet.returncode == 0, quiet.stderr
+    assert " INFO " not in quiet.stderr and "KV cache" not in quiet.stderr, quiet.stderr
+    assert quiet.stdout.startswith("def f(x):")
+    loud = run_cli(*args, "--log-level", "info")
+    assert loud.returncode == 0, loud.stderr
+    assert " INFO tandem.runtime.model_runner: KV cache: " in loud.stderr
+    assert loud.stdout == quiet.stdout  # (greedy: the same text either way)
+
+
+def test_on_off_flags_become_booleans():
+    from tandem.cli import build_parser
+    from tandem.engine_flags import engine_kwargs
+
+    def kwargs(*argv):
+        return engine_kwargs(build_parser().parse_args(["generate", *argv]))
+
+    assert kwargs()["speculative_adaptive"] is True
+    assert kwargs("--speculative-adaptive", "off")["speculative_adaptive"] is False
+    assert kwargs("--prefill-first", "on")["prefill_first"] == "on"  # (a three-way string, not a switch)
+    with pytest.raises(SystemExit):
+        kwargs("--speculative-adaptive", "yes")

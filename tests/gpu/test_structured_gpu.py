@@ -8,11 +8,14 @@ import json
 import pytest
 import torch
 
-from tandem import Engine, SamplingParams
-from tandem.layers.sampler import SamplingFeatures, choose_tokens
-from tests.structured.conftest import CHAIN, TREE, grammar_models  # noqa: F401 (fixture)
-from tests.structured.test_structured_engine import SCHEMAS, prompts, schema_params
-from tests.unit.test_sampler import chi2_999, chi_square, metadata, ref_probs
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
+pytest.importorskip("jsonschema", reason="the outputs are validated with jsonschema")
+
+from tandem import Engine, SamplingParams  # noqa: E402
+from tandem.layers.sampler import SamplingFeatures, choose_tokens  # noqa: E402
+from tests.structured.conftest import CHAIN, TREE, grammar_models  # noqa: F401, E402 (fixture)
+from tests.structured.test_structured_engine import SCHEMAS, prompts, schema_params  # noqa: E402
+from tests.unit.test_sampler import chi2_999, chi_square, metadata, ref_probs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

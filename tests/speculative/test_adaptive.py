@@ -81,7 +81,7 @@ def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models,
     must lead the policy to the full depth."""
     monkeypatch.setattr(DepthPolicy, "observe_time", lambda self, bs, shape, ms, weight=None, mode="greedy": None)
     with Engine(spec_models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=spec_models["SELF"],
-                **CHAIN, **ENGINE) as e:
+                speculative_adaptive=True, **CHAIN, **ENGINE) as e:
         policy = e.runner.spec.policy
         for bs in range(1, 5):
             for shape in policy.options:
@@ -96,19 +96,21 @@ def test_real_policy_drafts_full_depth_when_every_draft_is_accepted(spec_models,
     assert steps[3] > 0 and not steps[0] and sum(steps[1:3]) <= 3, steps
 
 
-def test_adaptive_off_drafts_the_configured_depth_only(spec_models):
+@pytest.mark.parametrize("off", [False, "off"])
+def test_adaptive_off_drafts_the_configured_depth_only(spec_models, off):
     with Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-                speculative_adaptive="off", **CHAIN, **ENGINE) as e:
+                speculative_adaptive=off, **CHAIN, **ENGINE) as e:
         e.generate(input_ids=PROMPTS[:4], sampling_params=greedy())
         assert e.runner.spec.policy is None
         steps = e.runner.spec.stats.steps_by_depth
     assert steps[3] > 0 and not any(steps[:3])
 
 
-def test_bad_adaptive_value_is_refused(spec_models):
-    with pytest.raises(ValueError, match="speculative_adaptive must be 'on' or 'off'"):
+@pytest.mark.parametrize("bad", ["maybe", 1, None])
+def test_bad_adaptive_value_is_refused(spec_models, bad):
+    with pytest.raises(ValueError, match="speculative_adaptive must be True or False"):
         Engine(spec_models["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=spec_models["EAGLE3"],
-               speculative_adaptive="maybe", **CHAIN, **ENGINE)
+               speculative_adaptive=bad, **CHAIN, **ENGINE)
 
 
 def test_each_steps_time_lands_in_its_sampling_modes_cost_table(spec_models, monkeypatch):
@@ -260,7 +262,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         # What `tandem bench` reports per run: steps by depth, catch-ups, dormant admissions.
         from tandem.bench.measure import run_batch
 
-        metrics, _ = run_batch(e, PROMPTS[:SENTINEL_EVERY], 40)
+        metrics, _ = run_batch(e, PROMPTS[:SENTINEL_EVERY], 40, trace=True)
         assert metrics.dormant_admitted == SENTINEL_EVERY - 1
         # Depth 0 but for probes; the one sentinel catches up once per 32 deferred steps (40 tokens: <= 2).
         assert metrics.steps_by_depth[0] >= metrics.decode_iterations and sum(metrics.steps_by_depth[1:]) <= 2

@@ -131,9 +131,9 @@ def test_one_early_rejection_is_not_a_rate_of_zero():
 
 
 def test_nothing_accepted_stops_drafting_within_a_few_steps():
-    """The 8B shape on an H200 at batch 1 (bench/results/depth0_cost_h200.json): depth 0 4.74 ms, chains
-    of 1, 2, 3 5.2, 5.5, 5.84 ms. Position 1 after k rejections is a_1 = 0.6 / (k + 1) (the prior worth 1
-    observation); positions past it are never observed and take a_1 (effective_acceptance). Step 1: the
+    """The 8B shape on an H200 at batch 1 (bench/results/depth0-cost-llama-3.1-8b-h200-6603c51.json): depth 0
+    4.74 ms, chains of 1, 2, 3 5.2, 5.5, 5.84 ms. Position 1 after k rejections is a_1 = 0.6 / (k + 1) (the
+    prior worth 1 observation); positions past it are never observed and take a_1 (effective_acceptance). Step 1: the
     prior (0.6 everywhere) picks the chain of 3. k = 1, a = 0.3: the chain of 2 (1.39 / 5.5 = 0.2527 a ms)
     beats the chain of 3 (1.417 / 5.84 = 0.2426) by more than the 3% hysteresis. k = 2, a = 0.2: the chain
     of 1 (0.2308) is not 3% better than the chain of 2 (0.2255): kept. k = 3, a = 0.15: the chain of 1

@@ -37,8 +37,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json-schema", default=None, metavar="PATH|builtin",
                    help="constrain every output to a JSON schema (a file, or 'builtin': a list of records); "
                         "outputs then end with their document, at most --output-len tokens")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/bench-<name>-<date>.json); "
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/bench-<name>-<commit>.json); "
                                                "plots go beside it")
+    p.add_argument("--trace", action="store_true",
+                   help="keep each speculative run's per-step trace in the JSON (wall ms, the depth whose results "
+                        "the step took, catch-ups launched); left out by default, it is most of a record's size")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs per engine")
@@ -90,7 +93,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
         top_p=ns.top_p, json_schema=_json_schema(ns.json_schema),
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
-        repeats=ns.repeats, interleave=not ns.sequential, turns=ns.turns,
+        repeats=ns.repeats, interleave=not ns.sequential, turns=ns.turns, trace=ns.trace,
         command=["tandem", *sys.argv[1:]],
     )
     result = run_bench(cfg)
@@ -120,7 +123,7 @@ def _cmd_sweep(ns: argparse.Namespace) -> int:
         batch_sizes=tuple(ns.batch_sizes or sweep.SWEEP_BATCH_SIZES),
         temperatures=tuple(ns.sweep_temperatures if ns.sweep_temperatures is not None else sweep.SWEEP_TEMPERATURES),
         input_len=ns.input_len, output_len=ns.output_len, repeats=ns.repeats, out=ns.out, plots=not ns.no_plots,
-        progress=not ns.no_progress, command=["tandem", *sys.argv[1:]])
+        progress=not ns.no_progress, command=["tandem", *sys.argv[1:]], trace=ns.trace)
     result = sweep.sweep_with_preset(cfg, ns.preset)
     print(f"{'T':>4} {'p':>5} {'batch':>5} {'fixed/plain':>11} {'adaptive/plain':>14} {'adaptive/best':>13}")
     for pt in result["points"]:

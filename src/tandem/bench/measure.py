@@ -58,13 +58,13 @@ class RunMetrics:
     policy_costs_ms: dict | None = None
     # Wall time of each engine step until every request had its first token (where time to first token goes).
     first_token_steps_ms: list[float] | None = None
-    # Adaptive speculation, each engine step after every request had its first token: [wall ms, depth of
-    # the verify step whose results it took (-1: none), catch-ups it launched]. Under overlap a step's
-    # wall time is mostly the GPU time of the step whose results it waits for.
+    # Adaptive speculation with `trace`, each engine step after every request had its first token: [wall ms,
+    # depth of the verify step whose results it took (-1: none), catch-ups it launched]. Under overlap a
+    # step's wall time is mostly the GPU time of the step whose results it waits for.
     step_trace: list[list] | None = None
 
     def as_dict(self) -> dict:
-        return {k: rounded(v) for k, v in asdict(self).items()}
+        return {k: rounded(v) for k, v in asdict(self).items() if not (k == "step_trace" and v is None)}
 
 
 def median_of_runs(runs: list[RunMetrics]) -> dict:
@@ -97,11 +97,12 @@ def rounded(v):
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int, temperature: float = 0.0, top_p: float = 1.0,
-              json_schema: dict | None = None, **sampling) -> tuple[RunMetrics, list[list[int]]]:
+              json_schema: dict | None = None, trace: bool = False, **sampling) -> tuple[RunMetrics, list[list[int]]]:
     """Runs `prompts` together for exactly `output_len` tokens each; returns metrics and the tokens. With
     `json_schema`, each output is a document of that schema and ends with it (at most output_len tokens).
-    `sampling`: more SamplingParams fields (penalties, logprobs). Timed on the wall clock."""
-    run = BatchRun(engine, prompts, output_len, temperature, top_p, json_schema, **sampling)
+    `trace`: keep the per-step trace (adaptive speculation). `sampling`: more SamplingParams fields
+    (penalties, logprobs). Timed on the wall clock."""
+    run = BatchRun(engine, prompts, output_len, temperature, top_p, json_schema, trace=trace, **sampling)
     run.start()
     while not run.step():
         pass
@@ -114,7 +115,7 @@ def run_in_lockstep(runs: list["BatchRun"]) -> list[tuple[RunMetrics, list[list[
     2-core CPU four engines doing identical work (two plain, two speculative with every request dormant),
     taking turns run by run, ran 0.79-1.21x the first one's speed round by round (medians 0.957-1.023);
     taking turns step by step, 0.97-1.05x (medians 1.001-1.007;
-    bench/results/engine_instance_spread_lockstep_cpu.json). CPU engines only: on a GPU a step returns
+    bench/results/engine-instance-spread-cpu-09f0343.json). CPU engines only: on a GPU a step returns
     before its device work is done, so one engine's wait would time the other's kernels."""
     for run in runs:
         if not run.busy_clock:
@@ -137,10 +138,12 @@ class BatchRun:
     keep the wall clock."""
 
     def __init__(self, engine, prompts: list[list[int]], output_len: int, temperature: float = 0.0,
-                 top_p: float = 1.0, json_schema: dict | None = None, busy_clock: bool = False, **sampling):
+                 top_p: float = 1.0, json_schema: dict | None = None, busy_clock: bool = False, trace: bool = False,
+                 **sampling):
         if busy_clock and engine.runner.device.type == "cuda":
             raise ValueError("a busy clock times host calls: on a GPU they return before the device is done")
         self.engine, self.prompts, self.json_schema, self.busy_clock = engine, prompts, json_schema, busy_clock
+        self.keep_trace = trace
         self.params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p,
                                      ignore_eos=json_schema is None, json_schema=json_schema, **sampling)
         self.spec = engine.runner.spec
@@ -170,7 +173,7 @@ class BatchRun:
         self.done: dict[str, tuple[float, list[int]]] = {}
         self.decode_start, self.decode_steps = None, 0
         self.first_token_steps, self.last = [], self.t0
-        self.trace = [] if spec is not None and spec.policy is not None else None
+        self.trace = [] if self.keep_trace and spec is not None and spec.policy is not None else None
         self.counts = _spec_counts(spec)
 
     def step(self) -> bool:

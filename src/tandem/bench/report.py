@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 
 
 def write_json(result: dict, path: str) -> None:
@@ -14,6 +16,25 @@ def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(relative_paths(result, os.getcwd()), f, separators=(",", ":"))
         f.write("\n")
+
+
+def revision() -> str | None:
+    """The git commit of the tandem source being measured (short hash, "-dirty" with uncommitted changes
+    under it), or None outside a git checkout: a record names the code it measured."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tandem package
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", src, *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def default_out(kind: str) -> str:
+    """bench/results/<kind>-<commit>.json, or with the time in place of a commit outside a checkout."""
+    return os.path.join("bench", "results", f"{kind}-{revision() or time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
 def relative_paths(value, root: str):

@@ -6,7 +6,7 @@ Each batch size adds B random prompts of input_len tokens at once and runs them 
 tokens each (ignore_eos). Weights are a real checkpoint, the bundled demo pair, or random weights in a
 named shape (`--preset`, with a random EAGLE-3 head). Random heads accept almost nothing, so presets
 measure the pipeline's cost; `--synthetic-acceptance P` measures what a head accepting with
-probability P would gain (its outputs are then not the model's: see bench/synthetic.py).
+probability P would gain (its outputs are then not the model's: see tandem/bench/synthetic.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     json_schema: dict | None = None  # constrain every output to this schema (structured output)
-    out: str | None = None  # None: bench/results/bench-<name>-<date>.json
+    out: str | None = None  # None: bench/results/bench-<name>-<commit>.json
+    trace: bool = False  # keep each speculative run's per-step trace in the record
     plots: bool = True
     progress: bool = True
     warmup: bool = True
@@ -179,8 +180,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         if on and off:
             row.update(_speedups(on, off, paired=cfg.interleave))
     result = _record(cfg, spec_kw, info, list(rows.values()), turns)
-    out = cfg.out or os.path.join("bench", "results",
-                                  f"bench-{result['model']['name']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = cfg.out or report.default_out(f"bench-{result['model']['name']}")
     result["json"] = out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if cfg.plots:
@@ -192,9 +192,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _speedups(on: dict, off: dict, paired: bool) -> dict:
     """Speculation's speedup in tokens per second and in per-request latency. Runs that took turns
     (`paired`) are compared pair by pair: the median of the runs' own ratios (upper median for an even
-    count, as median_of_runs), each pair having met the same stretch of the machine. The ratio of the two
-    medians mixes runs from different stretches: on a 2-core CPU, with runs moving 86-119 tokens/s over one
-    invocation, it read 0.936 where six of seven pairs were 0.97-1.00 (bench/results/cpu-demo-session13).
+    count, as median_of_runs), each pair having met the same stretch of the machine; the ratio of the two
+    medians would mix runs from different stretches (on a 2-core CPU one invocation's runs moved 86-119 tokens/s).
     Sequential runs have no pairs: the ratio of the medians."""
     def ratio(a, b):
         return a / b if a and b else None
@@ -216,8 +215,8 @@ def _timed_runs(cfg: BenchConfig, engines: dict, group: list[str], prompts, turn
     after the other."""
     args = (prompts, cfg.output_len, cfg.temperature, cfg.top_p, cfg.json_schema)
     if turns == "step" and len(group) > 1:
-        return run_in_lockstep([BatchRun(engines[mode], *args, busy_clock=True) for mode in group])
-    return [run_batch(engines[mode], *args) for mode in group]
+        return run_in_lockstep([BatchRun(engines[mode], *args, busy_clock=True, trace=cfg.trace) for mode in group])
+    return [run_batch(engines[mode], *args, trace=cfg.trace) for mode in group]
 
 
 def _bench_engine(cfg: BenchConfig, mode: str, spec_kw: dict, plain_kw: dict):
@@ -300,6 +299,7 @@ def _record(cfg: BenchConfig, spec_kw: dict, info: dict, rows: list[dict], turns
     result = {
         "tool": "tandem bench",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": report.revision(),
         "command": cfg.command or sys.argv,
         **{k: info.get(k) for k in ("device", "dtype", "torch")},
         "model": {"name": name, "preset": cfg.preset, "model_path": None if cfg.preset else model_path,

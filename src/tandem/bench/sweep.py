@@ -37,6 +37,7 @@ class SweepConfig:
     plots: bool = True
     progress: bool = True
     command: list[str] | None = None
+    trace: bool = False  # keep each speculative run's per-step trace in the record
 
 
 def run_sweep(cfg: SweepConfig) -> dict:
@@ -46,11 +47,12 @@ def run_sweep(cfg: SweepConfig) -> dict:
     from tandem import Engine
 
     kw = cfg.engine_kwargs
-    out = cfg.out or os.path.join("bench", "results", f"sweep-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = cfg.out or report.default_out("sweep")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     points = []
     result = {
-        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": cfg.command,
+        "tool": "tandem bench --sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": report.revision(),
+        "command": cfg.command,
         "label": synthetic.LABEL, "device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
         # A preset's paths are temporary directories: not worth recording.
         "engine_args": {k: v for k, v in kw.items() if not (kw.get("load_format") == "dummy" and k.endswith("model_path"))},
@@ -58,8 +60,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
         "complete": False, "points": points,
     }
     engines = {"plain": Engine(**dict(kw, speculative_algorithm=None, speculative_draft_model_path=None)),
-               "fixed": Engine(**dict(kw, speculative_adaptive="off")),
-               "adaptive": Engine(**dict(kw, speculative_adaptive="on"))}
+               "fixed": Engine(**dict(kw, speculative_adaptive=False)),
+               "adaptive": Engine(**dict(kw, speculative_adaptive=True))}
     total = len(cfg.temperatures) * len(cfg.acceptance) * len(cfg.batch_sizes)
     bar = tqdm(total=total, desc="tandem bench --sweep", unit="point", disable=not cfg.progress)
     try:
@@ -82,7 +84,8 @@ def run_sweep(cfg: SweepConfig) -> dict:
                     runs = {name: [] for name in engines}
                     for _ in range(cfg.repeats):
                         for name, engine in engines.items():
-                            runs[name].append(run_batch(engine, prompts, cfg.output_len, temperature)[0])
+                            runs[name].append(run_batch(engine, prompts, cfg.output_len, temperature,
+                                                        trace=cfg.trace)[0])
                     for name in engines:
                         point[name] = median_of_runs(runs[name])
                     point.update(point_ratios(point))
@@ -114,10 +117,8 @@ def point_ratios(point: dict) -> dict:
     """A grid point's ratios from its engines' runs, pair by pair: the engines took turns run by run, so run i
     of each met the same stretch of the machine, and each ratio is the upper median of the runs' own ratios
     (as `tandem bench` compares interleaved runs). The ratios of the engines' median runs stay beside them
-    ("..._of_medians"). They mix stretches: at 13f0a01 on an H200 (T 1, acceptance 0.81, batch 8) adaptive
-    drafted a chain of three on 98% of its steps as fixed depth did, each of its runs within 1% of fixed
-    depth's run beside it but for one, whose prompt step stalled (37 ms against 22); that run was adaptive's
-    median and read 0.927x fixed depth, where the pairs' median read 0.994x."""
+    ("..._of_medians"). Those mix stretches: on an H200 one run whose prompt step stalled was adaptive's
+    median run and read 0.927x fixed depth, where the pairs' median read 0.994x."""
     runs = {name: point[name].get("runs", [point[name]]) for name in MODES}
     pairs = list(zip(*(runs[name] for name in MODES)))
     tps = [[run["tokens_per_s"] for run in pair] for pair in pairs]  # (plain, fixed, adaptive) per run

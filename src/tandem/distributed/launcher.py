@@ -248,8 +248,8 @@ class TensorParallelRunner:
 
 def _destroy_process_group(timeout_s: float) -> None:
     """Ends the process group without letting a teardown hang stop the engine's shutdown. On two
-    H200s, NCCL's teardown on rank 0 hung after rank 1 had exited (2026-11-29); the workers now
-    tear their NCCL group down too (worker_main), and this bounds the wait either way."""
+    H200s NCCL's teardown on rank 0 can hang once rank 1 has exited; the workers tear their NCCL group
+    down too (worker_main), and this bounds the wait either way."""
     done = threading.Event()
 
     def destroy() -> None:

@@ -41,7 +41,9 @@ class EngineArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
-    speculative_adaptive: str = "on"  # on: choose the draft depth per step (speculative/policy/); off: fixed
+    # True: choose the draft depth per step (speculative/policy/); False: always the configured shape. The
+    # strings "on" and "off" (the CLI's spelling) are taken too.
+    speculative_adaptive: bool = True
     # on: a step that can admit a waiting request admits prompts only (running requests wait that step);
     # off: prompts share steps with decodes; auto: on with speculation, off without (see Scheduler.schedule)
     prefill_first: str = "auto"
@@ -55,6 +57,15 @@ class EngineArgs:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def on_off(value, name: str) -> bool:
+    """A switch given as a bool or as the CLI's "on" / "off"."""
+    if isinstance(value, bool):
+        return value
+    if value in ("on", "off"):
+        return value == "on"
+    raise ValueError(f"{name} must be True or False ('on' or 'off') (got {value!r})")
 
 
 def default_attention_backend(device: str) -> str:
@@ -97,6 +108,7 @@ class Engine:
                              "speculative_draft_model_path")
         if args.prefill_first not in ("auto", "on", "off"):
             raise ValueError(f"prefill_first must be auto, on or off (got {args.prefill_first!r})")
+        args = dataclasses.replace(args, speculative_adaptive=on_off(args.speculative_adaptive, "speculative_adaptive"))
         self.args = args
         self.arch = load_model_config(args.model_path)
         max_model_len = args.context_length or self.arch.max_position_embeddings

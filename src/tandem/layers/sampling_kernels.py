@@ -35,7 +35,8 @@ NUM_WARPS = 16
 # the settle kernel. A round settles about top_p of the rows it checks, so three leave about 1 in 1000.
 # Only for batches of up to PIVOT_ROUNDS_MAX_ROWS rows: on an H200 at 128k tokens they cut top-p 0.9 at 32
 # rows from 113 to 67 us (flat logits) and 179 to 82 us (peaked), but cost 3-5 us more at 1 row, and at
-# 128 rows, which fill the GPU one program per row, 17 us more (bench/results/sampling_kernel_pivot_rounds_h200.json).
+# 128 rows, which fill the GPU one program per row, 17 us more
+# (bench/results/sampling-kernel-pivot-rounds-h200-a260f3f.json).
 PIVOT_ROUNDS = 3
 PIVOT_ROUNDS_MAX_ROWS = 64
 

@@ -79,7 +79,7 @@ class GraphedFunction:
         # The static inputs were filled on the current stream; the capture stream must see them filled.
         # Without this wait the eager run below raced the fills and read whatever memory the caching
         # allocator handed back (a freed engine's tensors): device-side index asserts at start-up, seen
-        # on an H200 only when an earlier engine in the same process had left garbage (2026-12-01).
+        # on an H200 when another engine in the same process had left garbage.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # One eager run first: lazy initialisation (cuBLAS handles, triton compiles) must not happen
         # inside the capture. Its writes land on the sink rows the pad values point at.
@@ -124,8 +124,8 @@ def capture_all(functions: Sequence[GraphedFunction], batch_sizes: Sequence[int]
     stream = torch.cuda.Stream(device)
     jobs = [(f, bs) for bs in sorted(batch_sizes, reverse=True) for f in functions]
     # No garbage collection during the captures: finalising an earlier engine's objects there (freeing
-    # CUDA events or memory) is a CUDA call the capture forbids, and it invalidates the capture. Seen
-    # on an H200 when a test process built a speculative engine after others (2026-11-29).
+    # CUDA events or memory) is a CUDA call the capture forbids, and it invalidates the capture (on an
+    # H200, a test process that built a speculative engine after others).
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()

@@ -239,16 +239,16 @@ class ModelRunner:
             drafter = MTPDrafter(draft, self.backend, pool, self.page_size, self.num_pages, spec.num_steps,
                                  attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         else:
-            adaptive = spec.adaptive == "on"  # depth-0 steps defer the draft extend (speculative/catch_up.py)
+            # Depth-0 steps defer the draft extend (speculative/catch_up.py).
             pool = SpecStatePool(sched.max_num_seqs + 8, max_pages, spec.eagle_topk, draft_hidden, feature,
-                                 self.dtype, self.device, catch_up_window=CATCH_UP_WINDOW if adaptive else 0)
+                                 self.dtype, self.device, catch_up_window=CATCH_UP_WINDOW if spec.adaptive else 0)
             # The draft cache has the sink page too (padded CUDA-graph rows write there).
             drafter = Drafter(draft, self.backend, pool, self.page_size, self.num_pages + 1, spec.eagle_topk,
                               spec.num_steps, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         streams = StreamSet(self.device, use_plan_stream=not self.config.disable_plan_stream,
                             device_module=self.device_module, faults=self.stream_faults)
         policy = None
-        if spec.adaptive == "on":
+        if spec.adaptive:
             if spec.algorithm == "MTP":
                 logger.info("adaptive speculation is not implemented for MTP drafting: it drafts %d steps always",
                             spec.num_steps)
