@@ -7,6 +7,12 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
+def pytest_addoption(parser):
+    # tests/real_model runs the pulled SmolLM2-135M-Instruct against transformers; CI keeps these small.
+    parser.addoption("--real-model-prompts", type=int, default=3, help="prompts in the real-model greedy test (max 20)")
+    parser.addoption("--real-model-tokens", type=int, default=32, help="new tokens per prompt in that test")
+
+
 def pytest_configure(config):
     import torch
 

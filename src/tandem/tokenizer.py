@@ -10,7 +10,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def load_tokenizer(path: str):
-    """A Hugging Face fast tokenizer for `path`, or None if the directory has no tokenizer files."""
+    """A Hugging Face fast tokenizer for `path` (a model directory or a GGUF file), or None if it has none."""
+    from tandem.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        from tandem.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -23,6 +23,15 @@ def test_plain_tp2_equals_tp1(tp_models, family):
     assert got == want
 
 
+def test_plain_tp2_equals_tp1_on_a_gguf_file(tmp_path):
+    """A GGUF file is dequantized whole on every rank, Q/K rows unpermuted, then sharded like any checkpoint."""
+    pytest.importorskip("gguf")
+    from tests.gguf_checkpoints.gguf_files import write_family
+
+    path, _, _ = write_family(tmp_path, "llama")
+    assert [o.token_ids for o in _generate(path, tp_size=2)] == [o.token_ids for o in _generate(path)]
+
+
 NO_OVERLAP = dict(disable_overlap_schedule=True)
 
 

@@ -97,6 +97,10 @@ class Engine:
             from tandem.demo import with_demo_pair
 
             args = with_demo_pair(args)
+        else:  # a model by name (tandem/named_models.py): pulled into the cache on first use
+            from tandem.named_models import with_named_model
+
+            args = with_named_model(args)
         if args.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1 (got {args.tp_size})")
         if args.dp_size != 1:

@@ -109,6 +109,13 @@ def parse_model_config(cfg: dict) -> ModelArchConfig:
 
 
 def load_model_config(model_path: str) -> ModelArchConfig:
+    """The config of a model directory's config.json, or of a GGUF file's metadata."""
+    from tandem.gguf import is_gguf_path
+
+    if is_gguf_path(model_path):
+        from tandem.gguf.config import gguf_config
+
+        return parse_model_config(gguf_config(model_path))
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in model directory {model_path!r}")

@@ -58,7 +58,15 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 def iter_checkpoint(model_path: str, desc: str = "loading weights", lazy: bool = False):
     """Yields (name, tensor) for every tensor of the checkpoint, with a progress bar. With `lazy`,
-    safetensors tensors come as `LazyTensor`s: a tensor-parallel rank reads only its slice."""
+    safetensors tensors come as `LazyTensor`s: a tensor-parallel rank reads only its slice. A GGUF
+    file's tensors come dequantized, whole (each rank then keeps its slice)."""
+    from tandem.gguf import is_gguf_path
+
+    if is_gguf_path(model_path):
+        from tandem.gguf.tensors import iter_gguf_tensors
+
+        yield from iter_gguf_tensors(model_path, desc=desc)
+        return
     files = checkpoint_files(model_path)
     handles = [_open(f) for f in files]
     total = sum(len(h.keys()) for h in handles)

@@ -47,6 +47,7 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
 
     from tandem.demo import with_demo_pair
     from tandem.engine.engine import EngineArgs
+    from tandem.named_models import named_model, with_named_model
     from tandem.server.app import build_app
     from tandem.server.drain import Drain, DrainingServer
     from tandem.server.replicas import ReplicaSet
@@ -59,6 +60,9 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
         engine_kwargs = dict(vars(with_demo_pair(EngineArgs(**engine_kwargs))))
         model_path = engine_kwargs["model_path"]
         logger.info("no --model-path: serving the bundled demo pair (%s)", model_path)
+    elif named_model(model_path) is not None:  # pulled once here, before the replicas start, not by each
+        engine_kwargs = dict(vars(with_named_model(EngineArgs(**engine_kwargs))))
+        model_path = engine_kwargs["model_path"]
 
     dp_size = engine_kwargs.get("dp_size", 1)
     replicas = ReplicaSet.spawn(engine_kwargs, args.log_level,  # ValueError before any process starts

@@ -15,7 +15,7 @@ def add_train_draft_parser(sub) -> None:
                        description="Train an EAGLE-3 draft head (training-time test, online target states) "
                                    "and write it in the public EAGLE-3 format; then measure its acceptance "
                                    "length with the engine on held-out documents of the corpus.")
-    p.add_argument("--model-path", required=True, help="the target model directory")
+    p.add_argument("--model-path", required=True, help="the target model directory (or a name: see `tandem pull --list`)")
     p.add_argument("--corpus", required=True,
                    help="a directory of text/code files, a .jsonl file ({'text'}, {'messages'} or "
                         "{'input_ids'} per line) or one text file")
@@ -71,6 +71,10 @@ def cmd_train_draft(ns: argparse.Namespace) -> int:
     from tandem.train.evaluate import evaluate_acceptance, heldout_prompts
     from tandem.train.trainer import train_eagle3
 
+    from tandem.named_models import named_model, model_paths
+
+    if named_model(ns.model_path) is not None:
+        ns.model_path = model_paths(ns.model_path)[0]
     config = _config(ns)
     record: dict = {"output_dir": ns.output_dir}
     if not ns.eval_only:
