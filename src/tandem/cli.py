@@ -27,14 +27,23 @@ def log_level(ns: argparse.Namespace) -> str:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from tandem import Engine, SamplingParams
 
-    prompts = ns.prompt or ["def fibonacci(n):"]
+    if ns.prompt and ns.chat:
+        raise ValueError("give --prompt (plain text) or --chat (a user message), not both")
+    prompts = ns.chat or ns.prompt or ["def fibonacci(n):"]
     params = SamplingParams(
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
         min_p=ns.min_p, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
     )
     with Engine(**engine_kwargs(ns)) as engine:
-        outs = engine.generate(prompts, params)
+        if ns.chat:
+            outs = engine.generate(input_ids=[_chat_prompt(engine, m) for m in ns.chat], sampling_params=params)
+        else:
+            outs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
+        if ns.chat and not ns.json:
+            print(f"user: {prompt}\nassistant: {out.text}\n[finish_reason={out.finish_reason}, "
+                  f"{len(out.token_ids)} tokens]")
+            continue
         if ns.json:
             record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
                       "finish_reason": out.finish_reason, "spec_accept_lengths": out.spec_accept_lengths}
@@ -42,6 +51,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         else:
             print(f"{prompt}{out.text}\n[finish_reason={out.finish_reason}, {len(out.token_ids)} tokens]")
     return 0
+
+
+def _chat_prompt(engine, message: str) -> list[int]:
+    """One user message through the model's chat template, ending where the assistant's answer starts."""
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"--chat needs a chat template; model {engine.args.model_path!r} has none (use --prompt)")
+    return list(tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                        tokenize=True))
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -75,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="append", metavar="MESSAGE",
+                     help="a user message, sent through the model's chat template (repeat for a batch)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

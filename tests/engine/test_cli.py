@@ -77,3 +77,25 @@ def test_on_off_flags_become_booleans():
     assert kwargs("--prefill-first", "on")["prefill_first"] == "on"  # (a three-way string, not a switch)
     with pytest.raises(SystemExit):
         kwargs("--speculative-adaptive", "yes")
+
+
+def test_generate_chat_goes_through_the_chat_template():
+    """--chat sends a user message through the model's chat template: the tokens equal transformers'
+    greedy generate on transformers' own rendering of that message (the demo pair's target has a template)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem import demo_model_paths
+
+    target, _ = demo_model_paths()
+    proc = run_cli("generate", "--chat", "What is a list?", "--max-new-tokens", "6", "--json", "--device", "cpu",
+                   "--dtype", "float32", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is a list?"}], add_generation_prompt=True,
+                                        tokenize=True)
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    assert record["token_ids"] == hf_greedy(model, list(ids), 6)
+    both = run_cli("generate", "--chat", "a", "--prompt", "b", "--device", "cpu")
+    assert both.returncode == 2 and "not both" in both.stderr
