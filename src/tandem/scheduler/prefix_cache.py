@@ -35,6 +35,7 @@ class PrefixCacheStats:
 
     queries: int = 0  # prompt tokens of admitted requests
     hits: int = 0  # of those, tokens whose KV came from the cache
+    cached_pages: int = 0  # cached pages no request holds (filled in by Engine.prefix_cache_stats)
 
 
 @dataclass
