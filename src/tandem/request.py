@@ -219,6 +219,7 @@ class RequestDelta:
     finish_reason: str | None = None  # set on the request's last delta
     accept_length: int | None = None  # speculative: tokens this verify step produced
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first delta, if asked
+    num_cached_tokens: int | None = None  # on the request's first delta: prompt tokens the prefix cache held
 
 
 @dataclass

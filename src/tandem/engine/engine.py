@@ -305,7 +305,7 @@ class Engine:
                 prompt_lps = self._prompt_logprob_list(req)
             out.deltas.append(RequestDelta(rid, list(new_ids), new_logprobs,
                                            req.finish_reason.value if req.is_finished else None, accept_len,
-                                           prompt_lps))
+                                           prompt_lps, req.num_cached_tokens if before == 0 else None))
         out.finished = [self._final_output(req) for req in finished]
         if self._inflight is not None and not self.scheduler.has_unfinished():
             # The step in flight ran only for requests that have finished meanwhile: collect it now
