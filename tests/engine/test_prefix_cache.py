@@ -167,7 +167,8 @@ def test_a_hit_gives_the_kv_a_cold_prefill_computes_in_both_caches(name, diverge
         tables = page_tables(engine)
         out = engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))[0]
         pages = tables[out.request_id]
-        found.append((out, kv_at(engine.runner.kv_cache, pages, n), kv_at(engine.runner.spec.drafter.kv_cache, pages, n)))
+        found.append((out, kv_at(engine.runner.kv_cache, pages, n),
+                      kv_at(engine.runner.spec.drafter.kv_cache, pages, n)))
     (hit, target_hot, draft_hot), (miss, target_cold, draft_cold) = found
     assert hit.token_ids == miss.token_ids
     torch.testing.assert_close(target_hot, target_cold, rtol=1e-4, atol=1e-4)
