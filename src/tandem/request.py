@@ -191,6 +191,8 @@ class Request:
     sampling_seed: int | None = None
     # Tokens produced per verify step (speculative decoding); its mean is tau.
     spec_accept_lengths: list[int] = field(default_factory=list)
+    # Prompt tokens whose KV the prefix cache held when the request was first admitted.
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_seed is None:
@@ -230,6 +232,7 @@ class RequestOutput:
     spec_accept_lengths: list[int] = field(default_factory=list)
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
 
     @property
     def accept_length_mean(self) -> float | None:
@@ -248,6 +251,7 @@ class RequestDelta:
     finish_reason: str | None = None  # set on the request's last delta
     accept_length: int | None = None  # speculative: tokens this verify step produced
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first delta, if asked
+    num_cached_tokens: int | None = None  # on the request's first delta: prompt tokens the prefix cache held
 
 
 @dataclass

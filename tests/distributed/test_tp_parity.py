@@ -101,3 +101,22 @@ def test_structured_output_tp2_equals_tp1(tokenizer_target, spec_on):
     assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
     for out in outs[1][:4]:
         json.loads(out.text)
+
+
+def test_prefix_cache_hits_under_tp2_equal_one_process(tp_models):
+    """The scheduler runs once (rank 0) and every rank takes its page ids with the step, so a hit reuses
+    the same pages on both ranks: follow-up prompts that start from cached pages give one process's
+    tokens and acceptance, speculation on."""
+    target = tp_models["llama3"]
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=tp_models["EAGLE3"], **CHAIN,
+                speculative_adaptive="off")
+    first = [p + [7, 8, 9] for p in PROMPTS[4:]]
+    outs = []
+    for tp in (1, 2):
+        with Engine(target, tp_size=tp, **ENGINE, **spec) as engine:
+            turn1 = engine.generate(input_ids=first, sampling_params=GREEDY)
+            turn2 = engine.generate(input_ids=[p + o.token_ids + [5] for p, o in zip(first, turn1)],
+                                    sampling_params=GREEDY)
+            assert all(o.num_cached_tokens > 0 for o in turn2)
+            outs.append([(o.token_ids, o.spec_accept_lengths, o.num_cached_tokens) for o in turn1 + turn2])
+    assert outs[0] == outs[1]

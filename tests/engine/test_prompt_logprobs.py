@@ -70,7 +70,7 @@ def test_prompt_logprobs_survive_preemption(ckpt):
         preempted = instrument_preemptions(engine)
         outs = engine.generate(input_ids=PROMPTS, sampling_params=long_params)
         assert preempted, "no request was preempted: the pool is too large for this test"
-        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+        assert engine.scheduler.allocator.num_used == 0  # every page is free or cached
     check(outs, ckpt, top=0)
 
 

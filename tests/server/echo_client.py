@@ -22,6 +22,8 @@ class EchoEngineClient:
         self.process = SimpleNamespace(pid=pid)
         self.added: list[str] = []
         self.aborted: list[str] = []
+        self.holding_pages = 0  # requests the flush answer says hold KV pages
+        self.cached_tokens = 0  # what the first delta says the prefix cache held
 
     async def start(self):
         return self.info
@@ -34,7 +36,12 @@ class EchoEngineClient:
         out = prompt_token_ids[: params.max_new_tokens]
         for i, tok in enumerate(out):
             last = i == len(out) - 1
-            queue.put_nowait((ipc.TokenDelta(request_id, [tok], None, "length" if last else None), time.monotonic()))
+            delta = ipc.TokenDelta(request_id, [tok], None, "length" if last else None,
+                                   num_cached_tokens=self.cached_tokens if i == 0 else None)
+            queue.put_nowait((delta, time.monotonic()))
 
     def abort(self, request_ids):
         self.aborted += request_ids
+
+    async def flush_cache(self):
+        return ipc.CacheFlushed(0, not self.holding_pages, self.holding_pages)

@@ -40,8 +40,33 @@ def test_completion_through_the_app(app_client):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["text"] == "abc中" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert "mean_accept_length" not in body["usage"]  # not a speculative engine
+
+
+def test_cached_tokens_in_usage_per_prompt_and_streamed(app_client):
+    app_client.engine.cached_tokens = 4
+    r = app_client.post("/v1/completions", json={"prompt": ["abcdef", "ghijkl"], "max_tokens": 3, "n": 2,
+                                                 "temperature": 1.0})
+    # Counted once per prompt, as prompt_tokens are (not once per sample).
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
+    with app_client.stream("POST", "/v1/completions", json={
+            "prompt": "abcdef", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_flush_cache_and_its_alias(app_client):
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        r = app_client.post(path)
+        assert r.status_code == 200 and r.json() == {"flushed": True}
+    app_client.engine.holding_pages = 3
+    r = app_client.post("/flush_cache")
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "cache_in_use" and "replica 0: 3 running requests" in err["message"]
 
 
 def test_stop_string_found_by_the_front_end_aborts_the_request(app_client):

@@ -49,7 +49,7 @@ def test_every_depth_keeps_greedy_output(spec_models, reference, kind, shape, ov
         steps_by_depth = stats.steps_by_depth
         assert len(steps_by_depth) == shape["speculative_num_steps"] + 1 and all(steps_by_depth), steps_by_depth
         assert stats.num_drafts == sum(len(o.spec_accept_lengths) for o in outs)
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_every_depth_keeps_seeded_output(spec_models, plain_seeded):
@@ -141,7 +141,7 @@ def test_each_steps_time_lands_in_its_sampling_modes_cost_table(spec_models, mon
             if name != "mixed":
                 assert {mode for _, mode in modes} == {expected}, (name, set(modes))
             assert policy.cost_row(2, expected) or cost_table(2, expected) in policy.dormant_cost_ms, name
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_prefill_first_is_on_with_speculation_unless_told(spec_models):
@@ -215,7 +215,7 @@ def test_dormant_requests_keep_greedy_output_and_get_no_draft_work(spec_models, 
             assert out.token_ids == want, f"{kind}: prompt {i} differs"
         assert seen["dormant"] and seen["catch_up"] and seen["prefill"], seen
         assert spec.stats.steps_by_depth[0] and spec.stats.steps_by_depth[3]
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_models, monkeypatch):
@@ -284,7 +284,7 @@ def test_real_policy_admits_requests_dormant_once_drafting_stops_paying(spec_mod
         assert f'tandem:spec_decode_dormant_requests_total{{replica="0"}} {float(spec.stats.dormant_admitted)}' in text
         assert f'tandem:spec_decode_catch_ups_total{{replica="0"}} {float(spec.stats.catch_ups)}' in text
         assert spec.stats.catch_ups > 0
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_running_requests_drop_their_draft_state_once_drafting_cannot_pay(spec_models, reference, monkeypatch):
@@ -310,7 +310,7 @@ def test_running_requests_drop_their_draft_state_once_drafting_cannot_pay(spec_m
         assert spec.stats.dormant_admitted == 0 and spec.stats.dormant_demoted == 8
         assert spec.stats.dormant_steps >= NEW_TOKENS - 1 - DEMOTE_EVERY
         assert not spec.lag  # (no deferred extends are kept for them)
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, monkeypatch):
@@ -344,7 +344,7 @@ def test_a_burst_of_requests_is_judged_at_the_batch_it_will_make(spec_models, mo
         e.generate(input_ids=PROMPTS[4:4 + 2 * SENTINEL_EVERY], sampling_params=params)
         assert [padded for _, padded in admitted] == [2 * SENTINEL_EVERY] * (2 * SENTINEL_EVERY), admitted
         assert [dormant for dormant, _ in admitted].count(True) == 2 * SENTINEL_EVERY - 2, admitted
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkeypatch):
@@ -378,4 +378,4 @@ def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkey
         assert all(len(o.token_ids) == 40 for o in outs)
         # (sampled?, admitted dormant?) per request, in prompt order: greedy ones dormant, sampled ones drafting.
         assert [admitted[o.request_id] for o in outs] == [(False, True), (True, False), (False, True), (True, False)]
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total

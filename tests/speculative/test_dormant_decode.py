@@ -64,7 +64,7 @@ def test_dormant_batches_give_plain_greedy_tokens(spec_models, reference, overla
         assert all(set(o.spec_accept_lengths) == {1} for o in outs)
         if graphs:
             assert sizes, "the dormant-decode graph never replayed"
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
@@ -106,4 +106,4 @@ def test_a_mixed_batch_moves_to_the_dormant_step_when_its_drafting_rows_finish(s
         for i, out in enumerate(outs):
             assert out.token_ids == reference[i][:len(out.token_ids)], f"request {i} differs"
         assert sum(spec.stats.steps_by_depth[1:]) > 0 and spec.stats.dormant_steps > 0
-        assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_total
+        assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total

@@ -30,4 +30,4 @@ def test_trained_head_equality_and_acceptance(trained_eagle3_head, shape):
         stats = engine.runner.spec.stats
         assert stats.mean_accept_length > 2.0, stats  # chain: ~2.8; tree: at least as high
         assert stats.accepted_per_position[0] > stats.accepted_per_position[-1] > 0
-        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+        assert engine.scheduler.allocator.num_used == 0  # every page is free or cached

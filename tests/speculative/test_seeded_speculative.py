@@ -57,7 +57,7 @@ def test_seeded_speculative_equals_plain(spec_models, plain_seeded, kind, shape)
         check(outs, plain_seeded, f"{kind}")
         if kind == "SELF":  # the target drafting for itself: sampled drafts are accepted too
             assert engine.runner.spec.stats.num_accepted_tokens > 0
-        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+        assert engine.scheduler.allocator.num_used == 0  # every page is free or cached
 
 
 @pytest.mark.parametrize("overlap,plan", [(False, True), (True, False)], ids=["no-overlap", "no-plan-stream"])
@@ -98,7 +98,7 @@ def test_seeded_equal_with_companions_and_preemption(spec_models, plain_seeded):
         preempted = instrument_preemptions(small)
         check(small.generate(input_ids=BATCH, sampling_params=params), plain_seeded, "preempted")
         assert preempted, "no preemption happened"
-        assert small.scheduler.allocator.num_free == small.scheduler.allocator.num_total
+        assert small.scheduler.allocator.num_used == 0  # every page is free or cached
 
 
 def test_seeded_plain_equals_itself_under_preemption(spec_models, plain_seeded):

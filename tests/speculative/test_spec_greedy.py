@@ -38,7 +38,7 @@ def test_greedy_speculative_equals_plain(spec_models, reference, kind, shape):
             for i, (out, want) in enumerate(zip(outs, reference)):
                 assert out.token_ids == want, f"{kind} batch {batch} prefill_first {prefill_first}: prompt {i} differs"
                 assert sum(out.spec_accept_lengths) >= NEW_TOKENS - 1
-        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_total
+        assert engine.scheduler.allocator.num_used == 0  # every page is free or cached
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

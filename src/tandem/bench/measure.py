@@ -164,6 +164,8 @@ class BatchRun:
     def start(self) -> None:
         """Adds the batch's requests (the clock starts)."""
         engine, spec = self.engine, self.spec
+        # Runs repeat the same prompts: each prefills them cold, as before prefix caching.
+        engine.flush_cache()
         self.before = _spec_counts(spec)
         self.grammar_before = _grammar_time(engine)
         _sync(engine)

@@ -76,6 +76,10 @@ class EngineCore:
             elif isinstance(msg, ipc.AbortRequest):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
+            elif isinstance(msg, ipc.FlushCache):
+                flushed = self.engine.flush_cache()
+                holding = 0 if flushed else self.engine.scheduler.num_running
+                self._send(ipc.CacheFlushed(msg.flush_id, flushed, holding))
             elif isinstance(msg, ipc.Shutdown):
                 return None
 
@@ -103,7 +107,9 @@ class EngineCore:
     def stats(self) -> ipc.EngineStats:
         sched = self.engine.scheduler
         stats = ipc.EngineStats(sched.num_running, sched.num_waiting, sched.allocator.num_used,
-                                sched.allocator.num_total)
+                                sched.allocator.num_total, kv_pages_cached=sched.allocator.num_cached,
+                                prefix_cache_queries=sched.prefix_stats.queries,
+                                prefix_cache_hits=sched.prefix_stats.hits)
         spec = getattr(self.engine.runner, "spec", None)
         if spec is not None:
             s = spec.stats

@@ -13,7 +13,7 @@ from typing import Sequence
 from tandem.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig, SpeculativeConfig
 from tandem.models.hf_config import load_model_config
 from tandem.request import FinishReason, Request, RequestDelta, RequestOutput, SamplingParams, StepOutput, TokenLogprob
-from tandem.scheduler import Scheduler
+from tandem.scheduler import PrefixCacheStats, Scheduler
 from tandem.structured.grammar import spec_of
 from tandem.tokenizer import StopStringDetokenizer, eos_token_ids, load_tokenizer
 
@@ -49,6 +49,9 @@ class EngineArgs:
     prefill_first: str = "auto"
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
+    # Keep full KV pages indexed by content after their request ends, so a later prompt that starts the
+    # same way skips their prefill (scheduler/prefix_cache.py). CLI alias: --disable-radix-cache.
+    disable_prefix_caching: bool = False
     disable_cuda_graph: bool = False  # GPU only: replay captured decode steps instead of launching them
     cuda_graph_max_bs: int = 64  # largest decode batch captured (capped at max_running_requests)
     tp_size: int = 1
@@ -164,7 +167,8 @@ class Engine:
             self.config = dataclasses.replace(
                 self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
-                                   num_lookahead_tokens=lookahead, async_decode=self.overlap)
+                                   num_lookahead_tokens=lookahead, async_decode=self.overlap,
+                                   prefix_caching=self._prefix_caching(), draft_model=spec.algorithm is not None)
         self._inflight = None  # the launched step whose results are not processed yet
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
@@ -251,6 +255,27 @@ class Engine:
         if req is not None:
             self._forget(request_id)
 
+    def flush_cache(self) -> bool:
+        """Drops every cached KV page no request holds. True when the whole pool is free afterwards; False
+        while requests hold pages (theirs stay)."""
+        return self.scheduler.flush_cache()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up and found in the prefix cache so far, and the pages it holds now."""
+        sched = self.scheduler
+        return dataclasses.replace(sched.prefix_stats, cached_pages=sched.allocator.num_cached)
+
+    def _prefix_caching(self) -> bool:
+        if self.args.disable_prefix_caching:
+            return False
+        if self.config.speculative.algorithm == "MTP":
+            # MTP module k's KV at position t needs tokens up to t+k+1 and the module outputs before it,
+            # which a hit's first chunk does not have; its drafts also write scratch entries below the
+            # target's length (speculative/mtp_drafter.py).
+            logger.info("prefix caching is off with MTP drafting")
+            return False
+        return True
+
     def step(self) -> StepOutput:
         """One engine iteration: the new tokens of every request that got some, and the requests
         that finished in it (complete outputs)."""
@@ -270,7 +295,7 @@ class Engine:
     def _process(self, handle) -> StepOutput:
         """Applies one finished step's results: scheduler update, stop strings, logprobs, outputs."""
         result = self.runner.collect(handle)
-        update = self.scheduler.update(result.sampled, handle.iteration)
+        update = self.scheduler.update(result.sampled, handle.iteration, result.draft_behind)
         finished = list(update.finished)
         by_id = {r.request_id: r for r in finished}
         for rid, by_index in result.prompt_logprobs.items():
@@ -302,13 +327,14 @@ class Engine:
                 prompt_lps = self._prompt_logprob_list(req)
             out.deltas.append(RequestDelta(rid, list(new_ids), new_logprobs,
                                            req.finish_reason.value if req.is_finished else None, accept_len,
-                                           prompt_lps))
+                                           prompt_lps, req.num_cached_tokens if before == 0 else None))
         out.finished = [self._final_output(req) for req in finished]
         if self._inflight is not None and not self.scheduler.has_unfinished():
             # The step in flight ran only for requests that have finished meanwhile: collect it now
             # (its tokens are dropped) so an idle engine holds nothing.
             stale, self._inflight = self._inflight, None
-            self.scheduler.update(self.runner.collect(stale).sampled, stale.iteration)
+            result = self.runner.collect(stale)
+            self.scheduler.update(result.sampled, stale.iteration, result.draft_behind)
         return out
 
     def _hit_stop_string(self, req: Request, num_new: int) -> bool:
@@ -382,6 +408,7 @@ class Engine:
             logprobs=logprobs,
             spec_accept_lengths=list(req.spec_accept_lengths),
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def _prompt_logprob_list(self, req: Request) -> list[TokenLogprob | None]:

@@ -1,8 +1,8 @@
 """Typed messages between the HTTP front end and the engine core process (DESIGN §3).
 
 Two ZMQ PUSH/PULL pipes over `ipc://`: the front end pushes `AddRequest` / `AbortRequest` /
-`Shutdown` to the core; the core pushes `CoreReady`, `CoreOutputs` (token deltas plus a stats
-snapshot, once per engine step), `RequestRejected` and `CoreFailed` back. Every message is a
+`FlushCache` / `Shutdown` to the core; the core pushes `CoreReady`, `CoreOutputs` (token deltas plus a
+stats snapshot, once per engine step), `RequestRejected`, `CacheFlushed` and `CoreFailed` back. Every message is a
 dataclass; on the wire it is msgpack of `[class name, {field: value}]`, nested dataclasses as dicts.
 """
 
@@ -36,6 +36,13 @@ class AbortRequest:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class FlushCache:
+    """Drop every cached KV page no request holds (Engine.flush_cache); answered by CacheFlushed."""
+
+    flush_id: int
 
 
 # ---- core -> front end ------------------------------------------------------------------------
@@ -76,9 +83,12 @@ class SpecCounters:
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_pages_used: int = 0
+    kv_pages_used: int = 0  # held by requests (cached pages nobody holds are not in use)
     kv_pages_total: int = 0
     spec: SpecCounters | None = None
+    kv_pages_cached: int = 0  # prefix cache: pages nobody holds, kept for their content
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the core started
+    prefix_cache_hits: int = 0  # of those, tokens found
 
 
 @dataclass
@@ -98,14 +108,23 @@ class RequestRejected:
 
 
 @dataclass
+class CacheFlushed:
+    """The answer to FlushCache: whether every page is free now, and if not, how many requests hold pages."""
+
+    flush_id: int
+    flushed: bool
+    requests_holding_pages: int = 0
+
+
+@dataclass
 class CoreFailed:
     """The core hit an unexpected error and is exiting."""
 
     message: str
 
 
-MESSAGES = {cls.__name__: cls for cls in (AddRequest, AbortRequest, Shutdown, CoreReady, CoreOutputs,
-                                          RequestRejected, CoreFailed)}
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, AbortRequest, Shutdown, FlushCache, CoreReady, CoreOutputs,
+                                          RequestRejected, CacheFlushed, CoreFailed)}
 
 
 def encode(msg) -> bytes:

@@ -178,7 +178,7 @@ class ModelRunner:
     def _graphable_decode(self, sched: SchedulerOutput) -> bool:
         graph = self.decode_graphs.get(GREEDY)
         return (graph is not None and graph.fits(len(sched.chunks))
-                and all(c.sample and (c.is_future or len(c.token_ids) == 1 and c.start_pos > 0)
+                and all(c.sample and (c.is_future or len(c.token_ids) == 1 and not c.first_chunk)
                         for c in sched.chunks))
 
     def _decode_graphed(self, sched: SchedulerOutput, positions: list[int], features: SamplingFeatures,

@@ -48,12 +48,16 @@ class SamplingState:
 
     def admit_chunk(self, row: int, chunk) -> None:
         """For a chunk of known tokens (a ScheduledChunk): its first chunk (re)writes the row's parameters;
-        every chunk adds its tokens to the penalty state."""
-        if chunk.start_pos == 0:
+        every chunk adds its tokens to the penalty state (a first chunk after a prefix-cache hit, the
+        cached tokens before it too: the penalties see the whole prompt)."""
+        if chunk.first_chunk:
             self.admitted_len[row] = chunk.request_len
             self.admit(row, chunk.sampling_params, chunk.seed, chunk.num_prompt_tokens, chunk.suppress_ids)
         # Only a penalised row reads its counts and prompt set (a neutral row's weights ignore them).
         if self.output_counts is not None and chunk.sampling_params.needs_penalties:
+            if chunk.first_chunk and chunk.cached_token_ids:
+                self.record_known_tokens(row, chunk.cached_token_ids, 0, chunk.num_prompt_tokens,
+                                         self.admitted_len[row])
             self.record_known_tokens(row, chunk.token_ids, chunk.start_pos, chunk.num_prompt_tokens,
                                      self.admitted_len[row])
 

@@ -16,6 +16,9 @@ class StepResult:
     spec_num_proposed: int = 0  # draft tokens each verify row proposed this step
     # request id -> {index of a prompt token: its logprob} (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    # Speculation: per request of the step, how many of its tokens with target KV lack draft KV after it
+    # (scheduler.NO_DRAFT_KV: it keeps none). The prefix cache indexes only pages both have written.
+    draft_behind: dict[str, int] | None = None
 
 
 def collect_logprobs(wanted: dict[str, int], request_ids, tokens, lens, chosen, top_v, top_i, result: StepResult

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from tandem.request import Request, SamplingParams
 
+# Scheduler.update's draft_behind for a request that keeps no draft KV (the adaptive policy's dormant
+# requests): its pages are not cached in a speculative engine.
+NO_DRAFT_KV = -1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -30,6 +34,12 @@ class ScheduledChunk:
     next_token: int = -1
     # min_tokens: the ids the sampler must not draw before then (stop_token_ids, and EOS unless ignored)
     suppress_ids: tuple[int, ...] = ()
+    # Tokens at the start of the request whose KV this admission took from the prefix cache: its first
+    # chunk starts there (0 without a hit).
+    cached_len: int = 0
+    # On a first chunk after a hit, for a penalised or grammar-constrained request: the cached tokens
+    # [0, cached_len), which its penalty and grammar state must still see.
+    cached_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +48,12 @@ class ScheduledChunk:
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def first_chunk(self) -> bool:
+        """The request's first chunk since admission (fresh, or a recompute after preemption): the runner
+        (re)starts its per-request state here. After a prefix-cache hit it does not start at 0."""
+        return not self.is_future and self.start_pos == self.cached_len
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,10 @@ There are no prefill and decode phases in the logic. A running request needs
 prefill, chunked when the budget runs short) or 1 (a decode). One step feeds at
 most `max_num_batched_tokens` tokens in total. When KV pages run out, the most
 recently admitted request is retracted and later recomputed from scratch.
+
+With prefix caching, a request is admitted with `num_computed_tokens` at the longest page-aligned prefix
+whose KV the cache holds (scheduler/prefix_cache.py), and each of its full pages is indexed once the
+engine reports its KV computed (`update`), never when it is merely scheduled.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from collections.abc import Mapping, Sequence
 
 from tandem.config import SchedulerConfig
 from tandem.request import FinishReason, Request, RequestStatus
-from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput, SchedulerUpdate
-from tandem.scheduler.page_allocator import PageAllocator
+from tandem.scheduler.outputs import NO_DRAFT_KV, ScheduledChunk, SchedulerOutput, SchedulerUpdate
+from tandem.scheduler.prefix_cache import PrefixCache, PrefixCacheStats, page_hash
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, page_size: int, num_pages: int,
-                 num_lookahead_tokens: int = 0, async_decode: bool = False) -> None:
+                 num_lookahead_tokens: int = 0, async_decode: bool = False, prefix_caching: bool = False,
+                 draft_model: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size})")
         if num_lookahead_tokens < 0:
@@ -29,7 +34,19 @@ class Scheduler:
         self.page_size = page_size
         # KV slots reserved past the end of a sampling chunk, for speculative draft tokens.
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PrefixCache(num_pages)
+        # Off, the pool behaves as a plain free list: nothing is indexed, so nothing is cached.
+        self.prefix_caching = prefix_caching
+        # A draft model writes KV at the same pages, and its entry at a page's last position depends on
+        # the token after the page: that token is part of the page's content (`_keys`).
+        self.draft_model = draft_model
+        self._tail = int(draft_model)
+        self.prefix_stats = PrefixCacheStats()
+        self._page_keys: dict[str, list[bytes]] = {}  # per request: content keys of its full pages, as needed
+        self._num_indexed: dict[str, int] = {}  # per running request: its leading pages that are indexed
+        self._cached_len: dict[str, int] = {}  # per running request: what its admission took from the cache
+        # per running request: (iteration, end) of its known-token chunks whose step is not processed yet
+        self._unconfirmed: dict[str, list[tuple[int, int]]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is retracted first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -94,6 +111,11 @@ class Scheduler:
     def abort(self, request_id: str) -> Request | None:
         return self.finish_request(request_id, FinishReason.ABORT)
 
+    def flush_cache(self) -> bool:
+        """Drops every cached page no request holds. True when every page is free afterwards (False
+        while requests hold pages)."""
+        return self.allocator.flush()
+
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -155,12 +177,12 @@ class Scheduler:
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)  # a waiting request has nothing computed
-            if not self._allocate(req, n):
+            hit, n, need = self._admission(req, budget)
+            if not self.allocator.can_allocate(need + self.allocator.num_unheld(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req, hit)
+            req.page_ids.extend(self.allocator.allocate(need))
             chunks.append(self._commit(req, n))
             budget -= n
 
@@ -169,9 +191,59 @@ class Scheduler:
         first chunk)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
-        head = self.waiting[0]
-        need = self._pages_needed(head, min(head.num_tokens, self.config.max_num_batched_tokens))
-        return self.allocator.can_allocate(max(0, need))
+        hit, _, need = self._admission(self.waiting[0], self.config.max_num_batched_tokens)
+        # Holding the hit takes its unheld pages out of what allocation may evict.
+        return self.allocator.can_allocate(need + self.allocator.num_unheld(hit))
+
+    def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
+        """For a waiting request: the cached pages it starts from, the tokens of its first chunk, and the
+        fresh pages that chunk needs."""
+        hit = self._cached_prefix(req)
+        start = len(hit) * self.page_size
+        n = min(req.num_tokens - start, budget)
+        end = start + n + (self.num_lookahead_tokens if start + n >= req.num_tokens else 0)
+        return hit, n, max(0, self._pages_for(end) - len(hit))
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached pages holding the longest page-aligned prefix of the request's tokens that it may
+        start from."""
+        if not self.prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits: the whole prompt runs
+        # At least one token is computed: its logits give the next token. (With a draft, that also
+        # leaves the token after each matched page, part of the page's content, known.)
+        keys = self._keys(req, (req.num_tokens - 1) // self.page_size)
+        return self.allocator.match(keys, req.all_token_ids, self.page_size, self._tail)
+
+    def _keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """Content keys of the request's first `num_pages` full pages (kept: its known tokens never change)."""
+        keys = self._page_keys.setdefault(req.request_id, [])
+        while len(keys) < num_pages:
+            keys.append(page_hash(keys[-1] if keys else None, self._content(req, len(keys))))
+        return keys[:num_pages]
+
+    def _content(self, req: Request, i: int) -> tuple[int, ...]:
+        """What page i's KV depends on besides the pages before it: its tokens, and with a draft model the
+        token after it. EAGLE's draft KV at position t pairs token t+1 with the target's features at t, so
+        the entry at a page's last position was made with the next token of the request that computed it;
+        a request with another token there must not reuse it (docs/architecture.md, prefix caching)."""
+        ps = self.page_size
+        return _token_slice(req, i * ps, (i + 1) * ps + self._tail)
+
+    def _admit(self, req: Request, hit: list[int]) -> None:
+        self.allocator.hold(hit)
+        cached = len(hit) * self.page_size
+        req.page_ids = list(hit)
+        req.num_computed_tokens = cached
+        rid = req.request_id
+        self._cached_len[rid] = cached
+        self._num_indexed[rid] = len(hit)
+        if req.num_preemptions == 0:  # (a recompute's hit is the engine's own business, not the client's)
+            req.num_cached_tokens = cached
+            if self.prefix_caching:
+                self.prefix_stats.queries += len(req.prompt_token_ids)
+                self.prefix_stats.hits += cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _can_schedule_future(self, req: Request, pending: list) -> bool:
         return self.async_decode and len(pending) == 1
@@ -200,6 +272,7 @@ class Scheduler:
         # Counted as computed now (not after the step) so that the next schedule() moves on.
         start = req.num_computed_tokens
         req.num_computed_tokens = start + n
+        self._unconfirmed.setdefault(req.request_id, []).append((self._iteration, start + n))
         sample = req.num_computed_tokens == req.num_tokens
         if sample:
             self._outstanding.setdefault(req.request_id, []).append((self._iteration, False))
@@ -211,6 +284,9 @@ class Scheduler:
         return self._chunk(req, (), req.num_computed_tokens, True, future=True)
 
     def _chunk(self, req: Request, token_ids: tuple, start: int, sample: bool, future: bool) -> ScheduledChunk:
+        cached = self._cached_len.get(req.request_id, 0)
+        first = start == cached and not future
+        params = req.sampling_params
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -223,33 +299,43 @@ class Scheduler:
             seed=req.sampling_seed,
             request_len=req.num_tokens,
             next_token=_next_prompt_token(req, start + len(token_ids)) if not future else -1,
-            suppress_ids=_min_tokens_suppressed(req) if start == 0 and not future else (),
+            suppress_ids=_min_tokens_suppressed(req) if first else (),
+            cached_len=cached,
+            cached_token_ids=(_token_slice(req, 0, cached) if first and cached and (
+                params.needs_penalties or params.constrained) else ()),
         )
 
     def _preempt(self, req: Request) -> None:
         """Retract by recompute: drop its KV; it rejoins at the front with prompt+outputs as its prompt."""
-        self._free_pages(req)
+        self._free_pages(req)  # (its indexed pages stay cached: the recompute may start from them)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self._outstanding.pop(req.request_id, None)
+        self._drop_admission(req.request_id)
         self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------------
 
-    def update(self, sampled: Mapping[str, Sequence[int]], iteration: int | None = None) -> SchedulerUpdate:
+    def update(self, sampled: Mapping[str, Sequence[int]], iteration: int | None = None,
+               draft_behind: Mapping[str, int] | None = None) -> SchedulerUpdate:
         """Append the tokens sampled in one scheduled iteration (the oldest one not yet updated).
 
         Each list may hold several tokens (a speculative run: accepted drafts + bonus token);
         all but the last were fed to the model in that step, so they count as computed (for a
         future chunk, whose input token was not counted when scheduled, all of them do).
         Tokens for requests that finished, were aborted or were retracted meanwhile are dropped.
+
+        The step's KV is computed now, so its requests' full pages are indexed for the prefix cache.
+        `draft_behind` (speculation): per request of the step, how many of its computed tokens still lack
+        draft KV (NO_DRAFT_KV: it keeps none); None: the draft, if any, is as far as the target.
         """
         if iteration is None:
             iteration = min((p[0][0] for p in self._outstanding.values() if p), default=self._iteration - 1)
         live = {rid: toks for rid, toks in sampled.items()
                 if rid in self._requests and self._requests[rid].status is RequestStatus.RUNNING}
         self._check_sampled(live, iteration)
+        confirmed = self._confirmed_chunks(iteration)
         result = SchedulerUpdate()
         for rid, token_ids in live.items():
             req = self._requests[rid]
@@ -258,12 +344,51 @@ class Scheduler:
                 del self._outstanding[rid]
             appended, reason = self._append(req, token_ids, future)
             result.new_token_ids[rid] = appended
+            # (Nothing after a sampling chunk but future chunks, which count nothing until processed.)
+            confirmed.pop(rid, None)
+            self._index(req, req.num_computed_tokens, draft_behind)  # before finishing frees its pages
             if reason is not None:
                 self._finish(req, reason)
                 result.finished.append(req)
             elif future or self.async_decode:
                 self._release_reservation(req)
+        for rid, end in confirmed.items():
+            self._index(self._requests[rid], end, draft_behind)
         return result
+
+    def _confirmed_chunks(self, iteration: int) -> dict[str, int]:
+        """Per running request, the end of its chunks in steps up to `iteration` (now processed)."""
+        confirmed = {}
+        for rid, pending in list(self._unconfirmed.items()):
+            done = [end for it, end in pending if it <= iteration]
+            if done:
+                confirmed[rid] = max(done)
+                pending[:] = [(it, end) for it, end in pending if it > iteration]
+                if not pending:
+                    del self._unconfirmed[rid]
+        return confirmed
+
+    def _index(self, req: Request, computed: int, draft_behind: Mapping[str, int] | None) -> None:
+        """Indexes the request's full pages within its first `computed` tokens (KV computed, and the
+        draft's too)."""
+        if not self.prefix_caching:
+            return
+        if draft_behind is not None:
+            behind = draft_behind.get(req.request_id, NO_DRAFT_KV)
+            if behind < 0:
+                return  # no draft KV to share: a request starting from these pages would draft from garbage
+            computed -= behind
+        rid, ps = req.request_id, self.page_size
+        # (With a draft the token after the page must be known: it is, once the draft's entry before it is.)
+        full = min(computed // ps, len(req.page_ids), (req.num_tokens - self._tail) // ps)
+        done = self._num_indexed.get(rid, 0)
+        if full <= done:
+            return
+        keys = self._keys(req, full)
+        for i in range(done, full):
+            # A page whose content another page already holds stays private (False): nothing to do.
+            self.allocator.insert(req.page_ids[i], keys[i], self._content(req, i))
+        self._num_indexed[rid] = full
 
     def _release_reservation(self, req: Request) -> None:
         """Now that the real length is known, free pages reserved for a longer worst case."""
@@ -318,7 +443,15 @@ class Scheduler:
         req.finish_reason = reason
         del self._requests[req.request_id]
         self._outstanding.pop(req.request_id, None)
+        self._drop_admission(req.request_id)
+        self._page_keys.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
+
+    def _drop_admission(self, rid: str) -> None:
+        """Forgets what the request's admission knew: a page of a step still in flight is never indexed."""
+        self._unconfirmed.pop(rid, None)
+        self._num_indexed.pop(rid, None)
+        self._cached_len.pop(rid, None)
 
     def _free_pages(self, req: Request) -> None:
         self.allocator.free(req.page_ids)

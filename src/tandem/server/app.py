@@ -156,6 +156,11 @@ def build_app(replicas: ReplicaSet, tokenizer, model_name: str, api_key: str | N
     async def version():
         return {"version": tandem.__version__}
 
+    @api.post("/flush_cache")  # SGLang's name
+    @api.post("/reset_prefix_cache")  # vLLM's
+    async def flush_cache():
+        return await state["serving"].flush_cache()
+
     app.include_router(api)
     app.openapi = lambda: _openapi(app)
 

@@ -46,6 +46,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> where its deltas go (the in-flight ones)
         self._unstarted: dict[str, int] = {}  # sent, no token back yet (the "queued" requests) -> prompt length
         self._tasks: list[asyncio.Task] = []
+        self._flushes: dict[int, asyncio.Future] = {}  # flush id -> its CacheFlushed, once it comes
+        self._flush_ids = 0
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._push = self._pull = None
@@ -147,6 +149,19 @@ class EngineClient:
             except EngineDead:
                 pass  # the core is gone and its requests with it; `_fail` has told their waiters
 
+    async def flush_cache(self) -> ipc.CacheFlushed:
+        """Asks the core to drop every cached KV page no request holds; raises EngineDead if it is gone."""
+        if self.dead_reason is not None:
+            raise EngineDead(self.dead_reason)
+        self._flush_ids += 1
+        flush_id = self._flush_ids
+        future = self._flushes[flush_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(ipc.encode(ipc.FlushCache(flush_id)))
+            return await future
+        finally:
+            self._flushes.pop(flush_id, None)
+
     def _send(self, message: bytes) -> None:
         """Sends to the core without blocking on a dead one. The socket refuses a message only when
         no peer is connected (no high-water mark): then a core whose process has exited is failed
@@ -190,6 +205,10 @@ class EngineClient:
                 queue = self._queues.pop(msg.request_id, None)
                 if queue is not None:
                     queue.put_nowait(msg)
+            elif isinstance(msg, ipc.CacheFlushed):
+                future = self._flushes.get(msg.flush_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             elif isinstance(msg, ipc.CoreFailed):
                 self._fail(f"{self.name} failed: {msg.message.splitlines()[0]}")
                 logger.error("%s failed:\n%s", self.name, msg.message)
@@ -217,5 +236,8 @@ class EngineClient:
         logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(EngineDead(reason))
+        for future in self._flushes.values():
+            if not future.done():
+                future.set_exception(EngineDead(reason))
         self._queues.clear()
         self._unstarted.clear()

@@ -109,6 +109,12 @@ class _EngineCollector:
         yield gauge("tandem:num_requests_waiting", "Requests waiting in the engine's queue", lambda r, s: s.num_waiting)
         yield gauge("tandem:kv_pages_used", "KV cache pages in use", lambda r, s: s.kv_pages_used)
         yield gauge("tandem:kv_pages_total", "KV cache pages in the pool", lambda r, s: s.kv_pages_total)
+        yield gauge("tandem:kv_pages_cached", "KV cache pages no request holds, kept by the prefix cache",
+                    lambda r, s: s.kv_pages_cached)
+        yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      lambda r, s: s.prefix_cache_queries)
+        yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      lambda r, s: s.prefix_cache_hits)
         yield gauge("tandem:replica_requests_in_flight",
                     "Engine requests routed to the replica and not finished (what routing balances)",
                     lambda r, s: r.in_flight)

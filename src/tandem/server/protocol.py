@@ -226,10 +226,15 @@ class DetokenizeRequest(BaseModel):
 # responses against them) ---------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV the prefix cache held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     mean_accept_length: float | None = None  # speculative servers only
     spec_verify_steps: int | None = None
 

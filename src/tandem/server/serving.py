@@ -59,6 +59,7 @@ class Choice:
     last_token_at: float | None = None
     chars_sent: int = 0  # streamed text so far (completions logprobs text_offset)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta, when asked
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held (with the first delta)
     output_hidden: bool = False  # echo with max_tokens 0: the one token generated is not returned
 
 
@@ -128,6 +129,8 @@ class Generation:
         c.token_ids.extend(new)
         if delta.prompt_logprobs is not None:
             c.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            c.num_cached_tokens = delta.num_cached_tokens
         if delta.accept_length is not None:
             c.accept_lengths.append(delta.accept_length)
         new_logprobs = (delta.logprobs or []) if c.params.logprobs is not None else []
@@ -481,6 +484,20 @@ class OpenAIServing:
             gen.close()
 
     # ---- /tokenize, /detokenize ---------------------------------------------------------------
+    async def flush_cache(self) -> dict:
+        """POST /flush_cache: every replica drops the cached KV pages no request holds. 503 naming the
+        replicas where requests still hold pages (those stay cached; flush again once they end)."""
+        try:
+            answers = await asyncio.gather(*(r.flush_cache() for r in self.replicas.replicas))
+        except EngineDead as e:
+            raise engine_unavailable(str(e)) from None
+        held = [f"replica {i}: {a.requests_holding_pages} running requests" for i, a in enumerate(answers)
+                if not a.flushed]
+        if held:
+            raise OpenAIError(503, "the prefix cache was flushed except the pages that running requests hold ("
+                              + "; ".join(held) + "); flush again once they end", code="cache_in_use")
+        return {"flushed": True}
+
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if self.tokenizer is None:
@@ -644,8 +661,13 @@ class OpenAIServing:
     def _usage(self, gen: Generation) -> dict:
         prompt_tokens = sum(len(p) for p in gen.prompts)  # once per prompt, whatever n is
         completion_tokens = sum(len(c.token_ids) for c in gen.choices if not c.output_hidden)
+        # Per prompt, the most any of its samples found in the prefix cache (OpenAI's field).
+        cached = {}
+        for c in gen.choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
         if self.speculative:
             lengths = [n for c in gen.choices for n in c.accept_lengths]
             usage["mean_accept_length"] = sum(lengths) / len(lengths) if lengths else None

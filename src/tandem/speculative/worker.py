@@ -45,7 +45,7 @@ from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
 from tandem.runtime.uploads import to_device
-from tandem.scheduler.outputs import ScheduledChunk, SchedulerOutput
+from tandem.scheduler.outputs import NO_DRAFT_KV, ScheduledChunk, SchedulerOutput
 from tandem.speculative import catch_up, plan
 from tandem.speculative.drafter import Drafter, PrefillFeed, target_feature
 from tandem.speculative.phases import SpecPhases
@@ -120,6 +120,7 @@ class SpecStepHandle:
     launch_ms: float = 0.0  # host time inside launch: the whole step on a CPU, where launching runs it
     draft_prefill: object | None = None  # DraftPrefillTimer of the draft's prefill in this step (an upkeep cost)
     prompt_logprob_rows: object | None = None  # runtime/prompt_logprobs.PromptLogprobRows of the prefill rows
+    draft_behind: dict[str, int] = field(default_factory=dict)  # StepResult.draft_behind
     result: object | None = None  # its StepResult once collected (runtime/model_runner.py)
     keep_alive: list = field(default_factory=list)
 
@@ -203,7 +204,7 @@ class SpecWorker:
         return min((s for s in graph.graphs if s >= b), default=b) if graph is not None else b
 
     def is_verify(self, c: ScheduledChunk) -> bool:
-        return c.is_future or (c.sample and len(c.token_ids) == 1 and c.start_pos > 0 and c.request_id in self.ready)
+        return c.is_future or (c.sample and len(c.token_ids) == 1 and not c.first_chunk and c.request_id in self.ready)
 
     # ---- launch ------------------------------------------------------------------------------
     def choose_shape(self, sched: SchedulerOutput) -> DraftShape | None:
@@ -261,6 +262,7 @@ class SpecWorker:
             self._launch_verify(verify_chunks, handle, outputs, shape or self.choose_shape(sched))
         if prefill_chunks:
             self._launch_prefill(prefill_chunks, handle, outputs, sched.batch_ahead)
+        handle.draft_behind = self._draft_behind(verify_chunks, prefill_chunks)
         handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sched.chunks
                                   if c.sampling_params.logprobs is not None}
         handle.seq_lens_ready = s.record("main", "seq_lens_ready")
@@ -268,6 +270,19 @@ class SpecWorker:
         self._last = handle
         handle.launch_ms = 1e3 * (time.perf_counter() - handle.launched_at)
         return handle
+
+    def _draft_behind(self, verify_chunks, prefill_chunks) -> dict[str, int]:
+        """Per request of the step just launched: how many of its tokens with target KV lack draft KV after
+        it (the prefix cache indexes a page only once both caches hold it). A verify row lags by the draft
+        extends it deferred (depth 0); a prefill chunk's last entry needs the next chunk's first token (an
+        EAGLE-style draft); a dormant request keeps no draft KV at all."""
+        behind = {}
+        for c in verify_chunks:
+            behind[c.request_id] = NO_DRAFT_KV if self._dormant(c.request_id) else self.lag.get(c.request_id, 0)
+        for c in prefill_chunks:
+            behind[c.request_id] = (NO_DRAFT_KV if self._dormant(c.request_id)
+                                    else 0 if c.sample else self.drafter.model.token_offset)
+        return behind
 
     def _launch_verify(self, chunks, handle: SpecStepHandle, outputs, shape: DraftShape | None) -> None:
         s, runner, pool = self.streams, self.runner, self.pool
@@ -691,7 +706,7 @@ class SpecWorker:
         joins = self.padded_batch(max(batch_ahead, rows))
         draining = batch_ahead <= rows  # (nothing queued with room to refill the batch, as in choose_shape)
         for c in chunks:
-            if c.start_pos == 0:
+            if c.first_chunk:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
                 if self.policy is not None and self.policy.admit(
                         c.request_id, joins, c.num_prompt_tokens, c.sampling_params.max_new_tokens,
@@ -788,14 +803,17 @@ class SpecWorker:
             return PrefillFeed(slot, tokens, c.start_pos, None, c.page_ids, c.sample)
         feats = None
         if feat is not None:
-            prev = [pool.pending_feature[slot: slot + 1]] if c.start_pos > 0 else []
+            prev = [pool.pending_feature[slot: slot + 1]] if not c.first_chunk else []
             feats = torch.cat(prev + [feat])
             if not c.sample:
                 pool.pending_feature[slot] = feat[-1]
-        if c.start_pos == 0:
-            tokens = tokens[1:]  # x[0] has no feature before it
+        first_index = c.start_pos
+        if c.first_chunk:
+            # x[0] has no feature before it; after a prefix-cache hit at s, the entry pairing x[s] with the
+            # target's features at s-1 is the cached page's own (exact: the page's content includes x[s]).
+            tokens, first_index = tokens[1:], c.start_pos + 1
         n = len(tokens)
-        return PrefillFeed(slot, tokens, max(c.start_pos, 1), feats[:n] if feats is not None else None,
+        return PrefillFeed(slot, tokens, first_index, feats[:n] if feats is not None else None,
                            c.page_ids, c.sample)
 
     # ---- results -------------------------------------------------------------------------------
@@ -819,6 +837,7 @@ class SpecWorker:
         host = handle.host
         if handle.prompt_logprob_rows is not None:
             result.prompt_logprobs = prompt_logprobs.collect(handle.prompt_logprob_rows, host)
+        result.draft_behind = handle.draft_behind
         if handle.prefill_ids:
             tokens = host["prefill_tokens"].tolist()
             for i, rid in enumerate(handle.prefill_ids):

@@ -54,12 +54,15 @@ class GrammarRows:
         spec = spec_of(chunk.sampling_params)
         if spec is None:
             return
-        if chunk.start_pos == 0:
+        known = zip(range(chunk.start_pos, chunk.end_pos), chunk.token_ids)
+        if chunk.first_chunk:
             self._entries[chunk.request_id] = _Entry(self.compiler.matcher(spec), iteration, chunk.request_len)
+            # (After a prefix-cache hit, earlier outputs may sit in the cached part.)
+            known = [*enumerate(chunk.cached_token_ids), *known]
         entry = self._entries.get(chunk.request_id)
         if entry is None:
             return
-        for pos, token in zip(range(chunk.start_pos, chunk.end_pos), chunk.token_ids):
+        for pos, token in known:
             if chunk.num_prompt_tokens <= pos < entry.admitted_len:
                 self._accept(chunk.request_id, entry, token)
 
