@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         hint = hints[f.name]
         if hint is bool and f.default:  # (a flag that is on by default is turned off by name: on|off)
-            group.add_argument(flag, choices=["on", "off"], default="on")
+            group.add_argument(*flags, dest=f.name, choices=["on", "off"], default="on")
             continue
         if hint is bool:
             group.add_argument(*flags, dest=f.name, action="store_true", default=f.default)
