@@ -177,6 +177,24 @@ def test_a_hit_gives_the_kv_a_cold_prefill_computes_in_both_caches(name, diverge
     assert miss.num_cached_tokens == 0
 
 
+def test_pages_of_a_dormant_request_serve_the_target_and_the_request_that_hits_them_runs_dormant(reference):
+    """The adaptive policy admits the first request dormant (no draft KV in its pages). Its follow-up turn
+    starts from those pages without asking the policy and runs dormant too (its draft would have had no
+    KV to attend to); tokens stay those of an engine without the cache."""
+    from tests.speculative.test_dormant_decode import DormantEvery
+
+    engine = Engine(TARGET, **BASE, **dict(CHAIN, speculative_adaptive="on"))
+    engine.runner.spec.policy = DormantEvery(engine.runner.spec.policy, every=2)  # 1st, 3rd, ... dormant
+    outputs = run_conversation(engine)
+    assert [[o.token_ids for o in outs] for outs in outputs] == reference
+    turn2 = outputs[2][0]
+    assert turn2.num_cached_tokens > 2 * PAGE and set(turn2.spec_accept_lengths) == {1}  # it never drafted
+    asked = engine.runner.spec.policy.admissions
+    by_policy = asked - asked // 2  # (every odd admission)
+    assert engine.runner.spec.stats.dormant_admitted > by_policy  # the others were the cache's hits
+    assert_pool_whole(engine)
+
+
 def test_flush_while_a_request_holds_pages():
     engine = Engine(TARGET, **BASE, speculative_algorithm=None)
     prompt = tokens(engine, SYSTEM)

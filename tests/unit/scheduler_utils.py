@@ -13,12 +13,13 @@ from tandem.scheduler import NO_DRAFT_KV, Scheduler, SchedulerOutput, SchedulerU
 def create_scheduler(max_num_batched_tokens: int = 64, max_num_seqs: int = 16, max_model_len: int = 256,
                      page_size: int = 4, num_pages: int = 1000, num_lookahead_tokens: int = 0,
                      prefill_first: bool = False, prefix_caching: bool = False, draft_model: bool = False,
-                     async_decode: bool = False) -> Scheduler:
+                     async_decode: bool = False, draftless_hits: bool = False) -> Scheduler:
     """A scheduler over a fake, tiny KV pool (page ids only; nothing is allocated)."""
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, prefill_first=prefill_first)
     return Scheduler(config, page_size=page_size, num_pages=num_pages, num_lookahead_tokens=num_lookahead_tokens,
-                     prefix_caching=prefix_caching, draft_model=draft_model, async_decode=async_decode)
+                     prefix_caching=prefix_caching, draft_model=draft_model, async_decode=async_decode,
+                     draftless_hits=draftless_hits)
 
 
 def create_request(request_id: str | int, prompt_len: int = 8, max_new_tokens: int = 4, *,
@@ -172,6 +173,9 @@ class PagedFakeModel:
             rid, draft = c.request_id, self.draft and c.request_id not in self.dormant
             if c.first_chunk:
                 self.first_chunks.append(c)
+                if c.draftless:
+                    self.dormant.add(rid)  # as the runner does: no draft state for it
+                    draft = False
                 self.next_pos[rid] = c.start_pos
                 self.decoding.discard(rid)
                 if c.cached_len:

@@ -102,13 +102,34 @@ def test_with_a_draft_pages_of_different_requests_are_not_chained_across_a_diffe
     assert model.draft_errors == {"x": 0, "y": 0, "z": 0}
 
 
-def test_pages_of_a_request_without_draft_kv_are_not_cached():
-    sched = cached_scheduler(draft_model=True)
+@pytest.mark.parametrize("draftless_hits", [False, True])
+def test_pages_without_draft_kv_serve_the_target_alone(draftless_hits):
+    """A request that keeps no draft KV (dormant) leaves pages for the target alone. A later request may
+    start from them only if it can run without draft state too (draftless_hits), and then it does; else it
+    recomputes them, drafting. One page short of the longest hit is recomputed rather than give up the
+    draft."""
+    sched = cached_scheduler(draft_model=True, draftless_hits=draftless_hits)
     model = PagedFakeModel(sched, draft=True, dormant={"a"})
     a = run_alone(model, create_request("a", prompt_len=16, max_new_tokens=3))
-    assert model.draft_behind["a"] == NO_DRAFT_KV and sched.allocator.num_cached == 0
-    b = run_alone(model, create_request("b", prompt=a.all_token_ids, max_new_tokens=2))
-    assert b.num_cached_tokens == 0 and model.draft_errors["b"] == 0
+    assert model.draft_behind["a"] == NO_DRAFT_KV and sched.allocator.num_cached == 4
+    b = run_alone(model, create_request("b", prompt=a.all_token_ids, max_new_tokens=3))
+    c = first_chunk(model, "b")
+    assert (b.num_cached_tokens, c.draftless) == ((16, True) if draftless_hits else (0, False))
+    assert ("b" in model.dormant) == draftless_hits and model.draft_errors.get("b", 0) == 0
+    # b drafted (draftless_hits off): its own pages hold draft KV, so a follow-up drafts from them.
+    d = run_alone(model, create_request("d", prompt=b.all_token_ids + [3], max_new_tokens=2))
+    assert first_chunk(model, "d").draftless == draftless_hits
+    assert d.num_cached_tokens == 20 and model.draft_errors.get("d", 0) == 0
+
+
+def test_a_page_without_draft_kv_one_short_of_the_hit_is_recomputed():
+    sched = cached_scheduler(draft_model=True, draftless_hits=True)
+    model = PagedFakeModel(sched, draft=True)
+    a = run_alone(model, create_request("a", prompt_len=12, max_new_tokens=1))  # pages 0, 1 with draft KV
+    other = (a.prompt_token_ids[8] + 1) % 1000  # parts from a right after page 1
+    b = run_alone(model, create_request("b", prompt=a.prompt_token_ids[:8] + [other, 5, 6], max_new_tokens=2))
+    assert b.num_cached_tokens == 4 and not first_chunk(model, "b").draftless
+    assert model.draft_errors == {"a": 0, "b": 0}
 
 
 def test_a_chunk_boundary_holds_a_page_back_until_the_draft_has_its_last_entry():
@@ -126,7 +147,7 @@ def test_requests_sharing_pages_hold_a_reference_each():
     sched = cached_scheduler()
     model = PagedFakeModel(sched)
     a = run_alone(model, create_request("a", prompt_len=9, max_new_tokens=1))
-    pages = list(sched.allocator.match(sched._keys(a, 2), a.all_token_ids, PS))
+    pages, _ = sched.allocator.match(sched._keys(a, 2), a.all_token_ids, PS)
     reqs = [create_request(r, prompt=a.prompt_token_ids + [r_i], max_new_tokens=3) for r_i, r in enumerate("bc")]
     for r in reqs:
         sched.add_request(r)
@@ -254,15 +275,17 @@ def test_penalised_requests_get_the_cached_tokens_on_their_first_chunk():
     assert pen.first_chunk and not pen.suppress_ids
 
 
-@pytest.mark.parametrize("seed,draft", [(1, False), (2, True), (3, True)])
-def test_random_shared_prefixes_under_kv_pressure(seed, draft):
+@pytest.mark.parametrize("seed,draft,dormant", [(1, False, False), (2, True, False), (3, True, False),
+                                                (3, True, True)])
+def test_random_shared_prefixes_under_kv_pressure(seed, draft, dormant):
     """Follow-ups of finished conversations and new ones on a few shared system prompts arrive at random,
-    some are aborted, the pool runs short (eviction and retraction), speculative runs of 1-4 tokens: every
-    finished request has the reference's tokens, no draft entry is read wrong, and the pool is whole at
-    the end."""
+    some are aborted, the pool runs short (eviction and retraction), speculative runs of 1-4 tokens, and
+    with `dormant` a third of the requests keep no draft KV (others may start from their pages and run
+    dormant too): every finished request has the reference's tokens, no draft entry is read wrong, and
+    the pool is whole at the end."""
     rng = random.Random(seed)
     sched = cached_scheduler(num_pages=20, max_num_batched_tokens=24, max_num_seqs=8, draft_model=draft,
-                             num_lookahead_tokens=3)
+                             num_lookahead_tokens=3, draftless_hits=dormant)
     model = PagedFakeModel(sched, draft=draft, run_length=lambda: rng.randint(1, 4))
     systems = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 20))] for _ in range(3)]
     history: list[list[int]] = []
@@ -272,6 +295,8 @@ def test_random_shared_prefixes_under_kv_pressure(seed, draft):
             base = rng.choice(history) if history and rng.random() < 0.5 else rng.choice(systems)
             prompt = (base + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 8))])[-60:]
             unchecked.append(create_request(added, prompt=prompt, max_new_tokens=rng.randint(1, 10)))
+            if dormant and rng.random() < 0.3:
+                model.dormant.add(str(added))
             sched.add_request(unchecked[-1])
             added += 1
         if sched.running and rng.random() < 0.03:
@@ -291,4 +316,6 @@ def test_random_shared_prefixes_under_kv_pressure(seed, draft):
     assert not unchecked
     assert sched.prefix_stats.hits > 0 and preemptions > 0
     assert all(n == 0 for n in model.draft_errors.values())
+    if dormant:
+        assert any(c.draftless for c in model.first_chunks)
     assert_pool_whole(sched)

@@ -168,7 +168,8 @@ class Engine:
                 self.config, scheduler=dataclasses.replace(self.config.scheduler, max_model_len=capacity))
         self.scheduler = Scheduler(self.config.scheduler, args.page_size, self.runner.num_pages,
                                    num_lookahead_tokens=lookahead, async_decode=self.overlap,
-                                   prefix_caching=self._prefix_caching(), draft_model=spec.algorithm is not None)
+                                   prefix_caching=self._prefix_caching(), draft_model=spec.algorithm is not None,
+                                   draftless_hits=self._dormancy())
         self._inflight = None  # the launched step whose results are not processed yet
         self._ids = itertools.count()
         self._detok: dict[str, StopStringDetokenizer] = {}
@@ -264,6 +265,12 @@ class Engine:
         """Prompt tokens looked up and found in the prefix cache so far, and the pages it holds now."""
         sched = self.scheduler
         return dataclasses.replace(sched.prefix_stats, cached_pages=sched.allocator.num_cached)
+
+    def _dormancy(self) -> bool:
+        """Whether the adaptive policy may run requests without draft state (then one can start from cached
+        pages that hold no draft KV for it)."""
+        policy = getattr(self.runner.spec, "policy", None) if self.runner.spec is not None else None
+        return policy is not None and policy.dormancy
 
     def _prefix_caching(self) -> bool:
         if self.args.disable_prefix_caching:

@@ -40,6 +40,8 @@ class ScheduledChunk:
     # On a first chunk after a hit, for a penalised or grammar-constrained request: the cached tokens
     # [0, cached_len), which its penalty and grammar state must still see.
     cached_token_ids: tuple[int, ...] = ()
+    # On a first chunk: the cached pages hold no draft KV for this request, so it runs without draft state.
+    draftless: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,13 @@
 """The KV page pool with a prefix cache: full pages stay indexed by their content after their request ends.
 
-One record per page: a reference count (requests holding it), and once indexed the page's hash and its
-tokens. The hash chains a page to everything before it (its parent page's hash and its own tokens), so
-equal hashes mean equal prefixes; a hit is still confirmed by comparing the page's tokens. Pages nobody
-references but that are indexed wait in a least-recently-released queue and are evicted (unindexed,
-handed out as fresh pages) only when the free list is short. Pure bookkeeping: page ids, no memory.
+One record per page: a reference count (requests holding it), and once indexed the page's key, its
+tokens, and the token after the page that a draft model's KV in it was made with (None: the page holds
+no usable draft KV). The key chains a page to everything before it (its parent page's key and its own
+tokens), so equal keys mean equal prefixes; a hit is still confirmed by comparing the page's tokens.
+With a draft model, pages of one prefix can differ in their last draft entry (it pairs the page's last
+position with the next token), so a key may hold one page per next token. Pages nobody references but
+that are indexed wait in a least-recently-released queue and are evicted (unindexed, handed out as fresh
+pages) only when the free list is short. Pure bookkeeping: page ids, no memory.
 
 A hash chain (vLLM's automatic prefix caching) rather than a radix tree (SGLang's RadixAttention):
 docs/architecture.md says why.
@@ -43,6 +46,7 @@ class _Page:
     refs: int = 0
     key: bytes | None = None  # set while the page is indexed
     tokens: tuple[int, ...] = ()
+    next_token: int | None = None  # the token its draft KV's last entry was made with (None: no draft KV)
 
 
 class PrefixCache:
@@ -51,7 +55,7 @@ class PrefixCache:
     def __init__(self, num_pages: int) -> None:
         self._free = PageAllocator(num_pages)  # pages with no content worth keeping
         self._pages = [_Page() for _ in range(num_pages)]
-        self._by_key: dict[bytes, int] = {}
+        self._by_key: dict[bytes, dict[int | None, int]] = {}  # key -> {next_token: page}
         # Indexed pages nobody holds, oldest release first: the eviction order.
         self._unreferenced: OrderedDict[int, None] = OrderedDict()
 
@@ -77,7 +81,7 @@ class PrefixCache:
 
     @property
     def num_indexed(self) -> int:
-        return len(self._by_key)
+        return sum(len(pages) for pages in self._by_key.values())
 
     def refs(self, page: int) -> int:
         return self._pages[page].refs
@@ -131,17 +135,25 @@ class PrefixCache:
         self._free.free([p for p in released if self._pages[p].key is None])
 
     # ---- the cache -------------------------------------------------------------------------------
-    def match(self, keys: Sequence[bytes], token_ids: Sequence[int], page_size: int, tail: int = 0) -> list[int]:
-        """The indexed pages holding the longest prefix: page i must have key keys[i] and the content
-        token_ids[i * page_size : (i + 1) * page_size + tail] (`tail`: tokens after the page that its KV
-        depends on too). Looks only: nothing is held or reordered."""
-        pages = []
+    def match(self, keys: Sequence[bytes], token_ids: Sequence[int], page_size: int) -> tuple[list[int], int]:
+        """The indexed pages holding the longest prefix (page i: key keys[i] and the tokens
+        token_ids[i * page_size : (i + 1) * page_size]), and how many of them, from the first, hold draft KV
+        made with the same next token as token_ids has (a page with it is preferred). Looks only: nothing
+        is held or reordered."""
+        pages, with_draft = [], 0
         for i, key in enumerate(keys):
-            p = self._by_key.get(key)
-            if p is None or self._pages[p].tokens != tuple(token_ids[i * page_size:(i + 1) * page_size + tail]):
+            candidates = self._by_key.get(key)
+            if not candidates:
                 break
+            end = (i + 1) * page_size
+            nxt = token_ids[end] if end < len(token_ids) else None
+            p = candidates.get(nxt) if nxt is not None and nxt in candidates else next(iter(candidates.values()))
+            if self._pages[p].tokens != tuple(token_ids[i * page_size:end]):
+                break
+            if with_draft == i and nxt is not None and self._pages[p].next_token == nxt:
+                with_draft += 1
             pages.append(p)
-        return pages
+        return pages, with_draft
 
     def num_unheld(self, pages: Sequence[int]) -> int:
         """How many of these pages are cached and held by nobody (holding them takes them out of the
@@ -158,19 +170,21 @@ class PrefixCache:
                 del self._unreferenced[p]
             rec.refs += 1
 
-    def insert(self, page: int, key: bytes, tokens: Sequence[int]) -> bool:
-        """Indexes a held, full page whose KV is computed; `tokens`: its content as `match` compares it.
-        False (nothing indexed) when another page already holds that content: the copy stays private and
-        returns to the free list when released."""
+    def insert(self, page: int, key: bytes, tokens: Sequence[int], next_token: int | None = None) -> bool:
+        """Indexes a held, full page whose KV is computed. `next_token`: the token after the page that the
+        draft KV in it was made with (None: no draft KV, or no draft model). False (nothing indexed) when
+        another page already holds that content: the copy stays private and returns to the free list when
+        released."""
         rec = self._pages[page]
         if rec.refs == 0:
             raise ValueError(f"page {page} is not held: only a request's own computed page can be indexed")
         if rec.key is not None:
             return rec.key == key
-        if key in self._by_key:
+        candidates = self._by_key.setdefault(key, {})
+        if next_token in candidates:
             return False
-        rec.key, rec.tokens = key, tuple(tokens)
-        self._by_key[key] = page
+        rec.key, rec.tokens, rec.next_token = key, tuple(tokens), next_token
+        candidates[next_token] = page
         return True
 
     def flush(self) -> bool:
@@ -185,5 +199,8 @@ class PrefixCache:
 
     def _unindex(self, page: int) -> None:
         rec = self._pages[page]
-        del self._by_key[rec.key]
-        rec.key, rec.tokens = None, ()
+        candidates = self._by_key[rec.key]
+        del candidates[rec.next_token]
+        if not candidates:
+            del self._by_key[rec.key]
+        rec.key, rec.tokens, rec.next_token = None, (), None

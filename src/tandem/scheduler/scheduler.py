@@ -25,7 +25,7 @@ from tandem.scheduler.prefix_cache import PrefixCache, PrefixCacheStats, page_ha
 class Scheduler:
     def __init__(self, config: SchedulerConfig, page_size: int, num_pages: int,
                  num_lookahead_tokens: int = 0, async_decode: bool = False, prefix_caching: bool = False,
-                 draft_model: bool = False) -> None:
+                 draft_model: bool = False, draftless_hits: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1 (got {page_size})")
         if num_lookahead_tokens < 0:
@@ -38,13 +38,16 @@ class Scheduler:
         # Off, the pool behaves as a plain free list: nothing is indexed, so nothing is cached.
         self.prefix_caching = prefix_caching
         # A draft model writes KV at the same pages, and its entry at a page's last position depends on
-        # the token after the page: that token is part of the page's content (`_keys`).
+        # the token after the page (`_cached_prefix`).
         self.draft_model = draft_model
-        self._tail = int(draft_model)
+        # Whether a request may start from cached pages without its draft KV, and then run without draft
+        # state (the adaptive policy's dormant requests: their pages hold none).
+        self.draftless_hits = draftless_hits
         self.prefix_stats = PrefixCacheStats()
         self._page_keys: dict[str, list[bytes]] = {}  # per request: content keys of its full pages, as needed
         self._num_indexed: dict[str, int] = {}  # per running request: its leading pages that are indexed
         self._cached_len: dict[str, int] = {}  # per running request: what its admission took from the cache
+        self._draftless: set[str] = set()  # running requests whose hit holds no draft KV for them
         # per running request: (iteration, end) of its known-token chunks whose step is not processed yet
         self._unconfirmed: dict[str, list[tuple[int, int]]] = {}
         self.waiting: deque[Request] = deque()
@@ -177,11 +180,11 @@ class Scheduler:
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit, n, need = self._admission(req, budget)
+            (hit, draftless), n, need = self._admission(req, budget)
             if not self.allocator.can_allocate(need + self.allocator.num_unheld(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self._admit(req, hit)
+            self._admit(req, hit, draftless)
             req.page_ids.extend(self.allocator.allocate(need))
             chunks.append(self._commit(req, n))
             budget -= n
@@ -191,28 +194,39 @@ class Scheduler:
         first chunk)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
-        hit, _, need = self._admission(self.waiting[0], self.config.max_num_batched_tokens)
+        (hit, _), _, need = self._admission(self.waiting[0], self.config.max_num_batched_tokens)
         # Holding the hit takes its unheld pages out of what allocation may evict.
         return self.allocator.can_allocate(need + self.allocator.num_unheld(hit))
 
-    def _admission(self, req: Request, budget: int) -> tuple[list[int], int, int]:
-        """For a waiting request: the cached pages it starts from, the tokens of its first chunk, and the
-        fresh pages that chunk needs."""
-        hit = self._cached_prefix(req)
+    def _admission(self, req: Request, budget: int) -> tuple[tuple[list[int], bool], int, int]:
+        """For a waiting request: the cached pages it starts from (and whether they lack its draft KV), the
+        tokens of its first chunk, and the fresh pages that chunk needs."""
+        hit, draftless = self._cached_prefix(req)
         start = len(hit) * self.page_size
         n = min(req.num_tokens - start, budget)
         end = start + n + (self.num_lookahead_tokens if start + n >= req.num_tokens else 0)
-        return hit, n, max(0, self._pages_for(end) - len(hit))
+        return (hit, draftless), n, max(0, self._pages_for(end) - len(hit))
 
-    def _cached_prefix(self, req: Request) -> list[int]:
+    def _cached_prefix(self, req: Request) -> tuple[list[int], bool]:
         """The cached pages holding the longest page-aligned prefix of the request's tokens that it may
-        start from."""
+        start from, and whether it must then run without draft state (the pages lack its draft KV)."""
         if not self.prefix_caching or req.sampling_params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position's logits: the whole prompt runs
-        # At least one token is computed: its logits give the next token. (With a draft, that also
-        # leaves the token after each matched page, part of the page's content, known.)
+            return [], False  # prompt logprobs need every prompt position's logits: the whole prompt runs
+        # At least one token is computed: its logits give the next token. (With a draft, that also leaves
+        # the token after each matched page known.)
         keys = self._keys(req, (req.num_tokens - 1) // self.page_size)
-        return self.allocator.match(keys, req.all_token_ids, self.page_size, self._tail)
+        pages, with_draft = self.allocator.match(keys, req.all_token_ids, self.page_size)
+        if not self.draft_model or with_draft == len(pages):
+            return pages, False
+        # EAGLE's draft KV at position t pairs token t+1 with the target's features at t, so a page's last
+        # draft entry was made with the next token of the request that computed it, and some pages hold no
+        # draft KV at all (dormant requests'). A drafting request may reuse only pages whose draft KV is its
+        # own (docs/architecture.md, prefix caching). Past them, a longer run of pages serves the target
+        # alone, when the engine lets the request run dormant; one page short is recomputed instead (a
+        # prompt that parts from a cached one right at a page boundary should keep its draft).
+        if self.draftless_hits and len(pages) - with_draft >= 2:
+            return pages, True
+        return pages[:with_draft], False
 
     def _keys(self, req: Request, num_pages: int) -> list[bytes]:
         """Content keys of the request's first `num_pages` full pages (kept: its known tokens never change)."""
@@ -222,14 +236,10 @@ class Scheduler:
         return keys[:num_pages]
 
     def _content(self, req: Request, i: int) -> tuple[int, ...]:
-        """What page i's KV depends on besides the pages before it: its tokens, and with a draft model the
-        token after it. EAGLE's draft KV at position t pairs token t+1 with the target's features at t, so
-        the entry at a page's last position was made with the next token of the request that computed it;
-        a request with another token there must not reuse it (docs/architecture.md, prefix caching)."""
         ps = self.page_size
-        return _token_slice(req, i * ps, (i + 1) * ps + self._tail)
+        return _token_slice(req, i * ps, (i + 1) * ps)
 
-    def _admit(self, req: Request, hit: list[int]) -> None:
+    def _admit(self, req: Request, hit: list[int], draftless: bool = False) -> None:
         self.allocator.hold(hit)
         cached = len(hit) * self.page_size
         req.page_ids = list(hit)
@@ -237,6 +247,8 @@ class Scheduler:
         rid = req.request_id
         self._cached_len[rid] = cached
         self._num_indexed[rid] = len(hit)
+        if draftless:
+            self._draftless.add(rid)
         if req.num_preemptions == 0:  # (a recompute's hit is the engine's own business, not the client's)
             req.num_cached_tokens = cached
             if self.prefix_caching:
@@ -272,7 +284,8 @@ class Scheduler:
         # Counted as computed now (not after the step) so that the next schedule() moves on.
         start = req.num_computed_tokens
         req.num_computed_tokens = start + n
-        self._unconfirmed.setdefault(req.request_id, []).append((self._iteration, start + n))
+        if self.prefix_caching:
+            self._unconfirmed.setdefault(req.request_id, []).append((self._iteration, start + n))
         sample = req.num_computed_tokens == req.num_tokens
         if sample:
             self._outstanding.setdefault(req.request_id, []).append((self._iteration, False))
@@ -301,6 +314,7 @@ class Scheduler:
             next_token=_next_prompt_token(req, start + len(token_ids)) if not future else -1,
             suppress_ids=_min_tokens_suppressed(req) if first else (),
             cached_len=cached,
+            draftless=first and req.request_id in self._draftless,
             cached_token_ids=(_token_slice(req, 0, cached) if first and cached and (
                 params.needs_penalties or params.constrained) else ()),
         )
@@ -328,7 +342,7 @@ class Scheduler:
 
         The step's KV is computed now, so its requests' full pages are indexed for the prefix cache.
         `draft_behind` (speculation): per request of the step, how many of its computed tokens still lack
-        draft KV (NO_DRAFT_KV: it keeps none); None: the draft, if any, is as far as the target.
+        draft KV (NO_DRAFT_KV: it keeps none; its pages are indexed for the target alone).
         """
         if iteration is None:
             iteration = min((p[0][0] for p in self._outstanding.values() if p), default=self._iteration - 1)
@@ -369,25 +383,27 @@ class Scheduler:
         return confirmed
 
     def _index(self, req: Request, computed: int, draft_behind: Mapping[str, int] | None) -> None:
-        """Indexes the request's full pages within its first `computed` tokens (KV computed, and the
-        draft's too)."""
+        """Indexes the request's full pages within its first `computed` tokens, whose KV the step just
+        processed holds (with a draft, only once the draft's is written too)."""
         if not self.prefix_caching:
             return
-        if draft_behind is not None:
-            behind = draft_behind.get(req.request_id, NO_DRAFT_KV)
-            if behind < 0:
-                return  # no draft KV to share: a request starting from these pages would draft from garbage
-            computed -= behind
+        # With a draft, a page is indexed with the token after it once its draft entries are written too
+        # (that token is known then), or without one (for the target alone) if the request keeps no draft KV.
+        has_draft = self.draft_model and draft_behind is not None
+        behind = draft_behind.get(req.request_id, NO_DRAFT_KV) if has_draft else 0
+        if behind == NO_DRAFT_KV:
+            has_draft, behind = False, 0
         rid, ps = req.request_id, self.page_size
-        # (With a draft the token after the page must be known: it is, once the draft's entry before it is.)
-        full = min(computed // ps, len(req.page_ids), (req.num_tokens - self._tail) // ps)
+        full = min((computed - behind) // ps, len(req.page_ids), (req.num_tokens - int(has_draft)) // ps)
         done = self._num_indexed.get(rid, 0)
         if full <= done:
             return
         keys = self._keys(req, full)
+        tokens = req.all_token_ids
         for i in range(done, full):
             # A page whose content another page already holds stays private (False): nothing to do.
-            self.allocator.insert(req.page_ids[i], keys[i], self._content(req, i))
+            nxt = tokens[(i + 1) * ps] if has_draft else None
+            self.allocator.insert(req.page_ids[i], keys[i], self._content(req, i), nxt)
         self._num_indexed[rid] = full
 
     def _release_reservation(self, req: Request) -> None:
@@ -452,6 +468,7 @@ class Scheduler:
         self._unconfirmed.pop(rid, None)
         self._num_indexed.pop(rid, None)
         self._cached_len.pop(rid, None)
+        self._draftless.discard(rid)
 
     def _free_pages(self, req: Request) -> None:
         self.allocator.free(req.page_ids)

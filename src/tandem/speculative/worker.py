@@ -706,7 +706,12 @@ class SpecWorker:
         joins = self.padded_batch(max(batch_ahead, rows))
         draining = batch_ahead <= rows  # (nothing queued with room to refill the batch, as in choose_shape)
         for c in chunks:
-            if c.first_chunk:
+            if c.first_chunk and c.draftless:
+                # Its prefix-cache hit holds no draft KV for it (pages of dormant requests): it runs dormant.
+                self.ready.discard(c.request_id)
+                self.policy.dormant.add(c.request_id)  # (what policy.admit records of a dormant admission)
+                self.stats.dormant_admitted += 1
+            elif c.first_chunk:
                 self.ready.discard(c.request_id)  # fresh prefill or recompute: start over
                 if self.policy is not None and self.policy.admit(
                         c.request_id, joins, c.num_prompt_tokens, c.sampling_params.max_new_tokens,
