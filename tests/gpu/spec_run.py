@@ -52,6 +52,10 @@ def main(argv=None):
     ap.add_argument("--sampling", choices=["greedy", "seeded", "seeded-penalties"], default="greedy",
                     help="seeded: a mix of seeded sampled requests (temperature, top-p, top-k, min-p) and greedy "
                          "ones, which the sampled whole-iteration graphs serve; seeded-penalties adds penalties")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="prompts share a prefix, and a second wave resends each first-wave prompt with its output "
+                         "and more (prefix-cache hits: the whole pages of both)")
+    ap.add_argument("--no-prefix-cache", action="store_true")
     ns = ap.parse_args(argv)
     target, head = demo_model_paths() if ns.demo else models(ns.root)
     ids, new_tokens, running = (demo_prompts(32), 64, 32) if ns.demo else (None, 24, 16)
@@ -59,7 +63,7 @@ def main(argv=None):
              else dict(speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4))
     kwargs = dict(device=os.environ.get("SPEC_RUN_DEVICE", "cuda"), dtype="float32", page_size=4, max_total_tokens=32768,
                   max_running_requests=running, disable_cuda_graph=ns.no_graph,
-                  attention_backend="triton" if ns.triton else "torch")
+                  attention_backend="triton" if ns.triton else "torch", disable_prefix_caching=ns.no_prefix_cache)
     if not ns.plain:
         kwargs.update(shape, speculative_algorithm="STANDALONE" if ns.self_draft else "EAGLE3",
                       speculative_draft_model_path=target if ns.self_draft else head,
@@ -78,7 +82,10 @@ def main(argv=None):
     if ns.sampling != "greedy":
         params = seeded_mix(running, penalties=ns.sampling == "seeded-penalties", logprobs=1 if ns.logprobs else None,
                             max_new_tokens=new_tokens)
-    outs = staggered_run(engine, params, ids)
+    if ns.shared_prefix:
+        outs = shared_prefix_run(engine, params, ids)
+    else:
+        outs = staggered_run(engine, params, ids)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     json.dump([o.token_ids for o in outs], sys.stdout)
@@ -97,6 +104,17 @@ def demo_prompts(n: int) -> list[list[int]]:
     """The demo pair's held-out prompts, cut to 32, 64, 96 and 128 tokens in turn: a different prompt each."""
     held_out = json.load(open(os.path.join(DEMO_DIR, "eval_prompts.json")))["prompts"]
     return [held_out[i % len(held_out)][:32 * (1 + (i // len(held_out)) % 4)] for i in range(n)]
+
+
+def shared_prefix_run(engine, params, ids=None) -> list:
+    """Two staggered waves: the prompts behind one shared 37-token prefix, then each prompt again with its
+    first answer and a few more tokens (a conversation's next turn). Returns both waves' outputs."""
+    ids = ids or prompts(10, seed=21) + prompts(6, seed=22)
+    shared = [t for p in prompts(4, seed=23) for t in p][:37]
+    first = [shared + p for p in ids]
+    outs = staggered_run(engine, params, first)
+    second = [p + o.token_ids + p[-5:] for p, o in zip(first, outs)]
+    return outs + staggered_run(engine, params, second)
 
 
 def staggered_run(engine, params, ids=None) -> list:

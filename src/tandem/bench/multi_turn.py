@@ -142,7 +142,7 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
                                      "synthetic_acceptance", "seed", "preset")}, "runs": {}, "summary": {}}
     with tempfile.TemporaryDirectory(prefix="tandem-multi-turn-") as root:
         bench_cfg = BenchConfig(engine_kwargs=cfg.engine_kwargs, preset=cfg.preset, batch_sizes=(cfg.conversations,),
-                                input_len=cfg.context_length - 1, output_len=1, spec="on" if "spec_on" in modes else "off")
+                                input_len=cfg.context_length - 2, output_len=2, spec="on" if "spec_on" in modes else "off")
         spec_kw = resolve_engine_kwargs(bench_cfg, root)
         spec_kw["context_length"] = cfg.context_length
         plain_kw = dict(spec_kw, speculative_algorithm=None, speculative_draft_model_path=None)
