@@ -100,7 +100,10 @@ def compare(reference: list[list[int]], got: list[list[int]]) -> dict:
 def measure(model: str, ns, root: str) -> dict:
     kw = dict(model_kwargs(model, root), device=ns.device, dtype=ns.dtype,
               max_running_requests=2 * ns.prompts, context_length=128 + ns.max_new_tokens + 16,
-              cuda_graph_max_bs=min(2 * ns.prompts, 128))
+              cuda_graph_max_bs=min(2 * ns.prompts, 128),
+              # A pool for the load alone (every request at full length, with room for drafts), not the
+              # GPU's free memory: the measurement can share the GPU with other work.
+              max_total_tokens=2 * ns.prompts * (128 + ns.max_new_tokens + 16 + 64))
     plain_kw = dict(kw, speculative_draft_model_path=None)
     engine = Engine(**plain_kw)
     prompts = make_prompts(model, ns.prompts, engine.arch.vocab_size)
