@@ -1,8 +1,9 @@
 """`tandem bench --workload multi-turn`: conversations as a chat server sees them, prefix cache on and off.
 
 Every conversation starts with one system prompt shared by all; each turn adds a user message and the
-model's answer, and the next turn sends the whole history again. Conversations run side by side: each
-sends its next turn as soon as its answer is back, so turns of different conversations interleave.
+model's answer, and the next turn sends the whole history again. Conversations start a few steps apart
+and run side by side: each sends its next turn as soon as its answer is back, so turns of different
+conversations interleave as a server sees them.
 Prompts are random token ids (the shapes matter, not the words); answers are the engine's own greedy
 tokens, so with and without the cache the same histories are sent (greedy outputs do not depend on it).
 
@@ -77,11 +78,18 @@ def run_conversations(engine, cfg: MultiTurnConfig, vocab: int, bar=None) -> dic
         live[rid] = {"conversation": c, "turn": t + 1, "prompt": prompt, "sent": time.perf_counter(),
                      "first": None}
 
+    # Conversations start one after another, spread over one answer's worth of steps, so their turns arrive
+    # apart as a server's do (started together, equal-length answers would keep them in lockstep: every
+    # turn of every conversation would arrive in the same step).
+    stagger = max(1, cfg.answer_len // cfg.conversations)
+    not_started = list(range(cfg.conversations))
+    steps = 0
     start = time.perf_counter()
-    for c in range(cfg.conversations):
-        send(c)
-    while engine.has_unfinished():
+    while not_started or engine.has_unfinished():
+        while not_started and (steps >= not_started[0] * stagger or not engine.has_unfinished()):
+            send(not_started.pop(0))
         out = engine.step()
+        steps += 1
         now = time.perf_counter()
         for d in out.deltas:
             rec = live.get(d.request_id)
