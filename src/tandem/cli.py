@@ -13,6 +13,7 @@ from tandem.bench.cli import add_bench_parser
 from tandem.engine_flags import add_engine_args, engine_kwargs
 from tandem.train.cli import add_train_draft_parser
 from tandem.train.demo_cli import add_make_demo_pair_parser
+from tandem.train.distill_cli import add_self_distill_parser
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Without --log-level: the server and the trainers report their progress in the log; generate and bench show
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     pul.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
     pul.set_defaults(func=cmd_pull)
     add_train_draft_parser(sub)
+    add_self_distill_parser(sub)
     add_make_demo_pair_parser(sub)
     add_bench_parser(sub)
     for command in sub.choices.values():  # (also after the subcommand: `tandem generate --log-level info`)

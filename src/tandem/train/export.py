@@ -46,3 +46,18 @@ def save_eagle3(head: Eagle3Draft, t2d: torch.Tensor, config: dict, out_dir: str
     with open(tmp, "w") as f:
         json.dump({**config, "torch_dtype": dtype}, f, indent=2)
     os.replace(tmp, os.path.join(out_dir, "config.json"))
+
+
+def save_as(src_dir: str, out_dir: str, dtype: str = "float16") -> None:
+    """A copy of the EAGLE-3 checkpoint in `src_dir` with its floating tensors cast to `dtype` (a head
+    trained in float32 on a CPU, shipped in float16)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(src_dir, "model.safetensors"))
+    with open(os.path.join(src_dir, "config.json")) as f:
+        config = json.load(f)
+    os.makedirs(out_dir, exist_ok=True)
+    cast = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(cast, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**config, "torch_dtype": dtype}, f, indent=2)
