@@ -1,0 +1,31 @@
+"""`tandem bench --workload multi-turn` on the tiny preset: every turn of every conversation runs, and with
+the prefix cache on a plain engine serves each later turn's prompt from the cache exactly up to the last
+full page of the tokens the previous turn computed (its prompt and its answer but the answer's last
+token, which is sampled and never fed); with the cache off nothing is served."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.bench.multi_turn import MultiTurnConfig, run_multi_turn
+
+PAGE = 16  # the engine's default page size
+
+
+def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path):
+    cfg = MultiTurnConfig(engine_kwargs={"device": "cpu", "dtype": "float32"}, preset="tiny-test", conversations=3,
+                          turns=3, system_len=40, user_len=10, answer_len=12, spec="off", progress=False,
+                          out=str(tmp_path / "mt.json"))
+    result = run_multi_turn(cfg)
+    on, off = result["runs"]["spec_off/cache_on"], result["runs"]["spec_off/cache_off"]
+    for run in (on, off):
+        assert sorted((r["conversation"], r["turn"]) for r in run["records"]) == [
+            (c, t) for c in range(3) for t in (1, 2, 3)]
+        assert all(r["output_tokens"] == 12 for r in run["records"])
+    assert all(r["cached_tokens"] == 0 for r in off["records"])
+    for r in on["records"]:
+        if r["turn"] >= 2:
+            computed = r["prompt_tokens"] - cfg.user_len - 1  # the previous prompt and answer, less its last token
+            assert r["cached_tokens"] == computed // PAGE * PAGE, r
+    assert result["summary"]["spec_off/cache_on"]["hit_rate"] > 0.5
+    assert json.load(open(tmp_path / "mt.json"))["workload"] == "multi-turn"
