@@ -39,6 +39,8 @@ done
 OUT=${out:-${OUT:-bench/results/gpu-numbers}}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# A copy of the tree sent to the measuring machine may carry a stale git history: name the commit with
+# TANDEM_RECORD_COMMIT=$(git rev-parse --short HEAD) there, or the records name what git says.
 PY=${PYTHON:-python}
 LOG=$OUT/gpu-numbers.log
 failed=()

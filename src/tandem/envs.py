@@ -58,3 +58,9 @@ def disable_fused_kernels() -> bool:
 def cache_dir() -> str:
     """TANDEM_CACHE: where `tandem pull` keeps models fetched by name (default: ~/.cache/tandem)."""
     return os.path.expanduser(os.environ.get("TANDEM_CACHE") or os.path.join("~", ".cache", "tandem"))
+
+
+def record_commit() -> str | None:
+    """TANDEM_RECORD_COMMIT names the commit a benchmark record measured, for a checkout whose git history
+    is not the code's (a copy of the working tree sent to another machine)."""
+    return os.environ.get("TANDEM_RECORD_COMMIT") or None

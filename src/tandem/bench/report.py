@@ -21,6 +21,10 @@ def write_json(result: dict, path: str) -> None:
 def revision() -> str | None:
     """The git commit of the tandem source being measured (short hash, "-dirty" with uncommitted changes
     under it), or None outside a git checkout: a record names the code it measured."""
+    from tandem import envs
+
+    if envs.record_commit():
+        return envs.record_commit()
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tandem package
     try:
         def git(*args):
