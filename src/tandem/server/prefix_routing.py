@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The chained hash of each full page of `token_ids`."""
+    """The chained hash of each full page of `token_ids`. Python's hash is enough here: a collision can
+    only send a request to the wrong replica, never serve wrong KV (the engine's cache confirms tokens)."""
     hashes, parent = [], 0
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = hash((parent, tuple(token_ids[start:start + page_size])))
