@@ -110,7 +110,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or any(not _int_in(t, 0, token_limit)
                                                             for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {token_limit}]")
-        if not _int_in(self.min_tokens, 0, self.max_new_tokens if _int_in(self.max_new_tokens, 1, INT32_MAX) else 0):
+        if not _int_in(self.min_tokens, 0, self.max_new_tokens):  # (max_new_tokens was checked above)
             bad("min_tokens", "must be an integer in [0, max_new_tokens]")
         if self.logit_bias is not None:
             if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
