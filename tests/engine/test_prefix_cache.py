@@ -231,3 +231,20 @@ def test_disable_prefix_caching_flag_and_its_alias():
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     alloc = engine.scheduler.allocator
     assert alloc.num_cached == 0 and alloc.num_free == alloc.num_total
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "tree"])
+def test_samples_of_one_new_prompt_share_its_prefill(name):
+    """Three seeded samples of a prompt nobody sent before, added together (what `n` = 3 sends): the first
+    computes the prompt, the others start from its pages, and each sample's tokens equal its tokens from an
+    engine without the cache."""
+    prompt_text = SYSTEM + "    parser = argparse.ArgumentParser(description=__doc__)\n"
+    params = [SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=s, ignore_eos=True) for s in (4, 5, 6)]
+    outs = {}
+    for cache in (True, False):
+        engine = Engine(TARGET, **BASE, **CONFIGS[name], disable_prefix_caching=not cache)
+        prompt = tokens(engine, prompt_text)
+        outs[cache] = engine.generate(input_ids=[prompt] * 3, sampling_params=params)
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    full = (len(prompt) - 1) // PAGE * PAGE
+    assert [o.num_cached_tokens for o in outs[True]] == [0, full, full]

@@ -319,3 +319,44 @@ def test_random_shared_prefixes_under_kv_pressure(seed, draft, dormant):
     if dormant:
         assert any(c.draftless for c in model.first_chunks)
     assert_pool_whole(sched)
+
+
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_requests_arriving_together_with_one_prompt_share_its_prefill(prefill_first):
+    """Four samples of one 18-token prompt added at once: the first computes the prompt, the others wait
+    until its pages are indexed and start at token 16 (four full pages; one token is always computed).
+    Chunked (12 tokens a step) so that the first one's prompt spans two steps, with a request of
+    another prompt behind them: no step is empty while the samples wait."""
+    sched = cached_scheduler(max_num_batched_tokens=12, prefill_first=prefill_first)
+    model = PagedFakeModel(sched)
+    prompt = [3 + 5 * i for i in range(18)]
+    samples = [create_request(f"s{i}", prompt=prompt, max_new_tokens=3) for i in range(4)]
+    other = create_request("other", prompt_len=6, max_new_tokens=3)
+    for r in samples + [other]:
+        sched.add_request(r)
+    fed_prompt = 0
+    while sched.has_unfinished():
+        out, _ = model.step()
+        assert out.chunks, "a step with nothing scheduled"
+        fed_prompt += sum(len(c.token_ids) for c in out.chunks if c.request_id.startswith("s")
+                          and c.start_pos < len(prompt))
+    for r in samples:
+        assert r.output_token_ids == reference_outputs(prompt, 3)
+    assert [r.num_cached_tokens for r in samples] == [0, 16, 16, 16]
+    assert fed_prompt == 18 + 3 * 2  # computed once, and the last two tokens for each other sample
+    assert other.output_token_ids == reference_outputs(other.prompt_token_ids, 3)
+    assert_pool_whole(sched)
+
+
+def test_in_step_sharing_is_off_without_the_cache_and_for_prompt_logprobs():
+    prompt = list(range(1, 18))
+    for kw, rid_kw in (({"prefix_caching": False}, {}), ({}, {"prompt_logprobs": 1})):
+        sched = create_scheduler(page_size=PS, **kw)
+        model = PagedFakeModel(sched)
+        reqs = [create_request(f"r{i}", prompt=prompt, max_new_tokens=2, **rid_kw) for i in range(3)]
+        for r in reqs:
+            sched.add_request(r)
+        out, _ = model.step()
+        assert len(out.chunks) == 3 and all(c.start_pos == 0 for c in out.chunks)
+        model.run()
+        assert all(r.num_cached_tokens == 0 for r in reqs)

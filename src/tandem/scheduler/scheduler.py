@@ -178,25 +178,65 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        computing = self._pages_in_progress()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
             (hit, draftless), n, need = self._admission(req, budget)
+            if self._waits_for_pages(req, hit, computing):
+                i += 1  # a running request is computing its next page: it starts from that page's KV later
+                continue
             if not self.allocator.can_allocate(need + self.allocator.num_unheld(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            del self.waiting[i]
             self._admit(req, hit, draftless)
             req.page_ids.extend(self.allocator.allocate(need))
             chunks.append(self._commit(req, n))
             budget -= n
+            computing |= self._unindexed_keys(req)
 
     def _head_can_join(self) -> bool:
-        """Whether `_schedule_waiting` would admit the head of the queue now (room, and pages for its
-        first chunk)."""
+        """Whether `_schedule_waiting` would admit a waiting request now (room, and pages for its first
+        chunk): the first one that does not wait for pages in progress."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
-        (hit, _), _, need = self._admission(self.waiting[0], self.config.max_num_batched_tokens)
-        # Holding the hit takes its unheld pages out of what allocation may evict.
-        return self.allocator.can_allocate(need + self.allocator.num_unheld(hit))
+        computing = self._pages_in_progress()
+        for req in self.waiting:
+            (hit, _), _, need = self._admission(req, self.config.max_num_batched_tokens)
+            if not self._waits_for_pages(req, hit, computing):
+                # Holding the hit takes its unheld pages out of what allocation may evict.
+                return self.allocator.can_allocate(need + self.allocator.num_unheld(hit))
+        return False
+
+    # In-step sharing: requests that arrive together with one prompt (the `n` samples of a request, a
+    # batch of calls with one system prompt) would each compute its pages, since a page is indexed only
+    # once its step is processed. A waiting request whose next page to compute is a page a running
+    # request is computing waits for it instead (SGLang's scheduler deprioritises such requests too), and
+    # other waiting requests go ahead of it meanwhile. It waits at most until that request's step is
+    # processed, or ends, or is retracted: then the page is indexed or no longer in progress.
+
+    def _pages_in_progress(self) -> set[bytes]:
+        """Content keys of the full pages of known tokens that running requests have not indexed yet."""
+        if not self.prefix_caching or not self.waiting:
+            return set()
+        keys: set[bytes] = set()
+        for req in self.running:
+            keys |= self._unindexed_keys(req)
+        return keys
+
+    def _unindexed_keys(self, req: Request) -> set[bytes]:
+        if not self.prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return set()
+        done = self._num_indexed.get(req.request_id, 0)
+        return set(self._keys(req, req.num_tokens // self.page_size)[done:])
+
+    def _waits_for_pages(self, req: Request, hit: list[int], computing: set[bytes]) -> bool:
+        if not computing or req.sampling_params.prompt_logprobs is not None:
+            return False
+        nxt = len(hit)  # the first page it would compute; a later hit must leave a token to compute
+        if nxt >= (req.num_tokens - 1) // self.page_size:
+            return False
+        return self._keys(req, nxt + 1)[nxt] in computing
 
     def _admission(self, req: Request, budget: int) -> tuple[tuple[list[int], bool], int, int]:
         """For a waiting request: the cached pages it starts from (and whether they lack its draft KV), the
