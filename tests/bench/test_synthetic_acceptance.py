@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tandem.bench.synthetic import LABEL, expected_accept_length, synthetic_accept
+from tandem.bench.synthetic import LABEL, expected_accept_length, parse_profile, synthetic_accept
 from tandem.speculative.tree import DraftTree, chain_tree
 
 REPO_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src", "tandem")
@@ -68,6 +68,42 @@ def test_chain_acceptance_is_geometric():
     assert lens.mean().item() == pytest.approx(expected_accept_length(p, steps), abs=4 * lens.std().item() / b ** 0.5)
     for k in range(1, steps + 1):  # position k accepted with probability p^k
         assert (lens > k).float().mean().item() == pytest.approx(p ** k, abs=0.005)
+
+
+def test_a_profile_accepts_each_chain_position_at_its_own_rate():
+    """Profile (0.9, 0.6): position 1 with 0.9, position 2 with 0.6 given position 1, position 3 with 0.6
+    again (the last rate repeats), against counts over 200,000 chains."""
+    gen = torch.Generator().manual_seed(2)
+    b, steps, profile = 200_000, 3, (0.9, 0.6)
+    tree = chain_tree(torch.zeros(b, dtype=torch.long), torch.ones(b, steps, dtype=torch.long))
+    uniforms = torch.rand(b, steps + 1, generator=gen)
+    lens = synthetic_accept(tree, torch.zeros(b, steps + 1, dtype=torch.long), uniforms, profile).accept_lens
+    for k, rate in zip(range(1, steps + 1), (0.9, 0.6, 0.6)):
+        reached, accepted = (lens > k - 1).sum().item(), (lens > k).sum().item()
+        assert accepted / reached == pytest.approx(rate, abs=0.006)
+    assert expected_accept_length(profile, steps) == pytest.approx(1 + 0.9 + 0.9 * 0.6 + 0.9 * 0.6 * 0.6)
+
+
+@pytest.mark.parametrize("text", ["0.8,x", "", "0.8,1.5", "-0.1"])
+def test_a_bad_profile_is_refused(text):
+    with pytest.raises(ValueError, match="profile|rates"):
+        parse_profile(text)
+
+
+def test_a_profile_through_the_command(bench):
+    """Profile 1,0 at a chain of 3: every step accepts exactly position 1 (2 tokens a step)."""
+    rc, record, _, _ = bench("--preset", "tiny-test", "--synthetic-acceptance-profile", "1,0", "--spec", "on",
+                             "--speculative-adaptive", "off", "--speculative-num-steps", "3",
+                             "--speculative-num-draft-tokens", "4", "--batch-sizes", "2", "--input-len", "6",
+                             "--output-len", "21", "--no-plots")
+    assert rc == 0
+    assert record["batches"][0]["spec_on"]["mean_accept_length"] == 2.0
+    assert record["batches"][0]["spec_on"]["accept_per_position"] == [1.0, 0.0, 0.0]
+    assert record["synthetic_acceptance"]["p"] == [1.0, 0.0]
+    assert record["synthetic_acceptance"]["expected_mean_accept_length"] == 2.0
+    rc, _, _, stderr = bench("--preset", "tiny-test", "--synthetic-acceptance-profile", "0.9,0.8", "--spec", "on",
+                             "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6")
+    assert rc != 0 and "needs a chain" in stderr
 
 
 @pytest.mark.parametrize("p, steps, mean", [(1.0, 3, 4.0), (0.0, 3, 1.0), (1.0, 2, 3.0)])

@@ -30,6 +30,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--synthetic-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK ONLY: accept each draft token with probability P instead of verifying it; "
                         "outputs are then the draft's, not the model's (every output is labelled)")
+    p.add_argument("--synthetic-acceptance-profile", default=None, metavar="A1,A2,...",
+                   help="BENCHMARK ONLY: as --synthetic-acceptance, with one rate per chain position (position k "
+                        "accepted with probability Ak given the ones before it; the last rate repeats), for "
+                        "stating a measured head's per-position acceptance on another model's shapes")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run transformers' greedy generate on the same weights and prompts")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -90,7 +94,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     cfg = BenchConfig(
         engine_kwargs=engine_kwargs(ns), preset=ns.preset, batch_sizes=tuple(ns.batch_sizes),
         input_len=ns.input_len, output_len=ns.output_len, spec=ns.spec,
-        synthetic_acceptance=ns.synthetic_acceptance, compare_hf=ns.compare_hf, temperature=ns.temperature,
+        synthetic_acceptance=synthetic_rate(ns), compare_hf=ns.compare_hf, temperature=ns.temperature,
         top_p=ns.top_p, json_schema=_json_schema(ns.json_schema),
         out=ns.out, plots=not ns.no_plots, progress=not ns.no_progress, warmup=not ns.no_warmup,
         repeats=ns.repeats, interleave=not ns.sequential, turns=ns.turns, trace=ns.trace,
@@ -133,3 +137,17 @@ def _cmd_sweep(ns: argparse.Namespace) -> int:
     print(f"worst adaptive/plain: {worst['adaptive_vs_plain']}; worst adaptive/best: {worst['adaptive_vs_best']}")
     print(f"wrote {result['json']}" + (f" and {', '.join(result['plots'])}" if result.get("plots") else ""))
     return 0
+
+
+def synthetic_rate(ns: argparse.Namespace):
+    """--synthetic-acceptance P or --synthetic-acceptance-profile A1,A2,... (None when neither)."""
+    from tandem.bench import synthetic
+
+    if ns.synthetic_acceptance_profile is None:
+        return ns.synthetic_acceptance
+    if ns.synthetic_acceptance is not None:
+        raise SystemExit("give --synthetic-acceptance or --synthetic-acceptance-profile, not both")
+    try:
+        return synthetic.parse_profile(ns.synthetic_acceptance_profile)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None

@@ -35,7 +35,7 @@ class MultiTurnConfig:
     user_len: int = 128
     answer_len: int = 128
     spec: str = "both"  # both | on | off
-    synthetic_acceptance: float | None = None
+    synthetic_acceptance: float | tuple[float, ...] | None = None
     seed: int = 0
     out: str | None = None
     progress: bool = True
@@ -221,6 +221,7 @@ def table(result: dict) -> str:
 
 
 def main_from_namespace(ns) -> int:
+    from tandem.bench.cli import synthetic_rate
     from tandem.engine_flags import engine_kwargs
 
     kw = engine_kwargs(ns)
@@ -228,7 +229,7 @@ def main_from_namespace(ns) -> int:
     cfg = MultiTurnConfig(engine_kwargs=kw, preset=ns.preset, workload=ns.workload,
                           conversations=ns.conversations, turns=ns.conversation_turns, system_len=ns.system_len,
                           user_len=ns.user_len, answer_len=ns.answer_len, spec=ns.spec,
-                          synthetic_acceptance=ns.synthetic_acceptance, out=ns.out, progress=not ns.no_progress,
+                          synthetic_acceptance=synthetic_rate(ns), out=ns.out, progress=not ns.no_progress,
                           command=["tandem", *sys.argv[1:]])
     result = run_multi_turn(cfg)
     print(table(result))

@@ -7,6 +7,8 @@ import os
 import subprocess
 import time
 
+from tandem.bench import synthetic
+
 
 def write_json(result: dict, path: str) -> None:
     """The record at `path`, paths under the current directory written relative to it: a record is kept in
@@ -102,8 +104,8 @@ def plot(result: dict, stem: str) -> list[str]:
         expected = (result.get("synthetic_acceptance") or {}).get("expected_mean_accept_length")
         if expected is not None:  # a chain under synthetic acceptance: position k is reached with p^k
             p, depth = result["synthetic_acceptance"]["p"], len(accept[0]["spec_on"]["accept_per_position"])
-            ax.plot(range(1, depth + 1), [p ** k for k in range(1, depth + 1)], "k--", lw=1,
-                    label=f"expected p^k (mean length {expected:.2f})")
+            ax.plot(range(1, depth + 1), synthetic.reach_probabilities(p, depth), "k--", lw=1,
+                    label=f"expected (mean length {expected:.2f})")
         ax.set(xlabel="draft position", ylabel="share of verify steps accepting it", ylim=(0, 1.05),
                title="acceptance per position")
         ax.set_xticks(range(1, len(accept[0]["spec_on"]["accept_per_position"]) + 1))

@@ -35,7 +35,7 @@ class BenchConfig:
     input_len: int = 256
     output_len: int = 256
     spec: str = "both"  # both | on | off
-    synthetic_acceptance: float | None = None
+    synthetic_acceptance: float | tuple[float, ...] | None = None  # one rate, or one per chain position
     compare_hf: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,8 +67,7 @@ class BenchConfig:
         if self.synthetic_acceptance is not None:
             if self.spec == "off":
                 raise ValueError("--synthetic-acceptance replaces verification: it needs speculation (--spec on/both)")
-            if not 0.0 <= self.synthetic_acceptance <= 1.0:
-                raise ValueError(f"--synthetic-acceptance must be in [0, 1] (got {self.synthetic_acceptance})")
+            synthetic.check_rate(self.synthetic_acceptance)
         if self.turns not in (None, "step", "run"):
             raise ValueError(f"--turns must be step or run (got {self.turns!r})")
         if self.compare_hf and self.temperature != 0.0:
