@@ -18,6 +18,8 @@
 #   structured   tandem bench on the demo pair with and without a JSON schema (needs xgrammar)
 #   constants    the measurements code constants rest on: depth 0's cost, sampling kernel pivot rounds, top-k cut
 #   precision    bench/precision_equality.py: speculative against plain tokens in bf16
+#   multiturn    tandem bench --workload multi-turn, 8B shape: prefix cache on and off, speculation on and off;
+#                the same with a 4,096-token system prompt; and the no-reuse workload twice (the cache's cost)
 #   twogpu       tensor and data parallelism, the sharded draft layer (skipped with fewer than 2 GPUs)
 # Puts the checkout's src first on PYTHONPATH (nothing to install); needs torch with CUDA, triton, transformers
 # (the demo part), matplotlib (plots), not the server's packages. Exits 1 if a part failed (the others run).
@@ -130,6 +132,21 @@ if wanted precision; then
     # shellcheck disable=SC2046
     part precision $PY bench/precision_equality.py $(q "" "--configs fixed --prompts 8 --max-new-tokens 32") \
         --out "$OUT/precision-bf16.json"
+fi
+if wanted multiturn; then
+    mt="--preset llama-3.1-8b --synthetic-acceptance 0.81 --speculative-adaptive off --attention-backend triton
+        --cuda-graph-max-bs 32"
+    # shellcheck disable=SC2046,SC2086
+    part multi-turn bench --workload multi-turn $mt $(q "" "--conversations 8 --conversation-turns 3") \
+        --out "$OUT/multi-turn-llama-3.1-8b.json"
+    # shellcheck disable=SC2046,SC2086
+    part multi-turn-long bench --workload multi-turn $mt --system-len 4096 \
+        $(q "" "--conversations 8 --conversation-turns 3") --out "$OUT/multi-turn-long-llama-3.1-8b.json"
+    for i in 1 2; do
+        # shellcheck disable=SC2046,SC2086
+        part "no-reuse-$i" bench --workload no-reuse $mt $(q "" "--conversations 8 --conversation-turns 3") \
+            --out "$OUT/no-reuse-$i-llama-3.1-8b.json"
+    done
 fi
 if wanted twogpu; then
     if [ "$gpus" -ge 2 ]; then
