@@ -264,3 +264,27 @@ def test_speculative_engine_greedy_equals_torch_backend(tiny_llama, tmp_path):
             outputs[backend] = [o.token_ids for o in engine.generate(input_ids=ids, sampling_params=params)]
             assert engine.runner.spec.stats.num_drafts > 0 and engine.runner.spec.stats.steps_by_depth[0] > 0
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_a_paged_batch_builds_its_slots_from_the_page_tables(name):
+    """`AttentionBatch.paged` (page tables and KV lengths; the slots are built on the device) against the
+    torch backend on the same KV listed slot by slot here. Pages are scattered, and each table holds more
+    pages than the row's KV needs (the scheduler's lookahead), which must not be read."""
+    ps, gen = 4, torch.Generator().manual_seed(4)
+    q_lens, prefixes = BATCHES[name]
+    pages = torch.randperm(NUM_SLOTS // ps, generator=gen).tolist()
+    tables, listed, slot_mapping, kv_lens = [], [], [], []
+    for q_len, prefix in zip(q_lens, prefixes):
+        kv_len = prefix + q_len
+        table, pages = pages[:-(-kv_len // ps) + 2], pages[-(-kv_len // ps) + 2:]
+        slots = [table[p // ps] * ps + p % ps for p in range(kv_len)]
+        tables.append(table)
+        listed.append(slots)
+        kv_lens.append(kv_len)
+        slot_mapping += slots[prefix:]
+    paged = AttentionBatch.paged(list(q_lens), tables, kv_lens, slot_mapping, ps)
+    explicit = AttentionBatch(list(q_lens), listed, slot_mapping)
+    compare(lambda backend: backend.plan(explicit if isinstance(backend, TorchAttentionBackend) else paged, DEVICE),
+            sum(q_lens), 4, 2, 16, torch.float32)
+    assert paged.slot_lists() == listed  # what a backend without the device path reads

@@ -290,7 +290,7 @@ class ModelRunner:
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         input_ids, positions, slots = [], [], []
-        query_lens, kv_slots = [], []
+        query_lens, page_tables, kv_lens = [], [], []
         sample_index, sample_ids, sample_positions = [], [], []
         ps = self.page_size
         future_rows, future_slots = [], []
@@ -310,15 +310,15 @@ class ModelRunner:
             first_row[chunk.request_id] = len(input_ids)
             input_ids.extend(tokens)
             positions.extend(range(start, start + n))
-            seq_slots = positions_to_slots(chunk.page_ids, range(start + n), ps)
-            slots.extend(seq_slots[start:])
+            slots.extend(positions_to_slots(chunk.page_ids, range(start, start + n), ps))
             query_lens.append(n)
-            kv_slots.append(seq_slots)
+            page_tables.append(chunk.page_ids)
+            kv_lens.append(start + n)
             if chunk.sample:
                 sample_index.append(len(input_ids) - 1)
                 sample_ids.append(chunk.request_id)
                 sample_positions.append(start + n)
-        attention = AttentionBatch(query_lens, kv_slots, slots)
+        attention = AttentionBatch.paged(query_lens, page_tables, kv_lens, slots, ps)
         return FlatBatch(input_ids, positions, attention, sample_index, sample_ids, sample_positions, first_row,
                          future_rows, future_slots)
 

@@ -73,27 +73,28 @@ class Drafter:
         if not feeds_idx:
             return
         offset = self.model.token_offset
-        input_ids, positions, slots, query_lens, kv_slots = [], [], [], [], []
+        input_ids, positions, slots, query_lens, kv_lens = [], [], [], [], []
         placeholder_rows, placeholder_src = [], []
         for i in feeds_idx:
             f = feeds[i]
             start = f.first_token_index - offset
             pos = range(start, start + len(f.token_ids))
-            seq = positions_to_slots(f.page_ids, range(pos.stop), self.page_size)
             if f.token_ids[-1] < 0:
                 placeholder_rows.append(len(input_ids) + len(f.token_ids) - 1)
                 placeholder_src.append(sampled_row[i])
             input_ids += f.token_ids
             positions += pos
-            slots += seq[start:]
+            slots += positions_to_slots(f.page_ids, pos, self.page_size)
             query_lens.append(len(f.token_ids))
-            kv_slots.append(seq)
+            kv_lens.append(pos.stop)
         ids_t = to_device(input_ids, self.device, torch.long)
         if placeholder_rows:  # the sampled token stays on the device: no host round trip
             ids_t[to_device(placeholder_rows, self.device, torch.long)] = sampled[
                 to_device(placeholder_src, self.device, torch.long)]
         pos_t = to_device(positions, self.device, torch.long)
-        ctx = self._ctx(self.backend.plan(AttentionBatch(query_lens, kv_slots, slots), self.device))
+        batch = AttentionBatch.paged(query_lens, [feeds[i].page_ids for i in feeds_idx], kv_lens, slots,
+                                     self.page_size)
+        ctx = self._ctx(self.backend.plan(batch, self.device))
         features = torch.cat([feeds[i].features for i in feeds_idx]) if self.model.target_hidden else None
         out = self.model(ids_t, pos_t, features, ctx, hidden_is_target=True)
         ends = torch.tensor(query_lens).cumsum(0) - 1

@@ -781,17 +781,16 @@ class SpecWorker:
 
     def _target_prefill(self, chunks):
         runner, ps = self.runner, self.runner.page_size
-        input_ids, positions, slots, query_lens, kv_slots = [], [], [], [], []
+        input_ids, positions, slots, query_lens = [], [], [], []
         first_row = {}
         for c in chunks:
             first_row[c.request_id] = len(input_ids)
-            seq = positions_to_slots(c.page_ids, range(c.end_pos), ps)
             input_ids += c.token_ids
             positions += range(c.start_pos, c.end_pos)
-            slots += seq[c.start_pos:]
+            slots += positions_to_slots(c.page_ids, range(c.start_pos, c.end_pos), ps)
             query_lens.append(len(c.token_ids))
-            kv_slots.append(seq)
-        metadata = runner.backend.plan(AttentionBatch(query_lens, kv_slots, slots), runner.device)
+        batch = AttentionBatch.paged(query_lens, [c.page_ids for c in chunks], [c.end_pos for c in chunks], slots, ps)
+        metadata = runner.backend.plan(batch, runner.device)
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
         ids_t = to_device(input_ids, runner.device, torch.long)
         pos_t = to_device(positions, runner.device, torch.long)

@@ -9,8 +9,10 @@ description into whatever index tensors it needs once per step (`plan`), then ev
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -22,18 +24,47 @@ class AttentionBatch:
     verify tree, or one draft-tree node. `kv_slots[r]` lists the cache slots of row r's whole KV
     sequence in attention order (the row's own new tokens included), so rows may see any subset
     of the cache, not only a contiguous prefix.
+
+    A batch made with `paged` gives each row's page table and KV length instead: its KV is positions
+    0..kv_len-1 of its request. Listing those slots costs the host O(context) a step (2k-token rows at
+    batch 32 took longer than the 8B shape's forward on an H200), so a backend that can should build
+    them on the device from the page tables; `slot_lists()` lists them for one that cannot.
     """
 
     query_lens: list[int]  # new tokens per row
-    kv_slots: list[list[int]]  # cache slot of every KV entry each row attends over
+    kv_slots: list[list[int]] | None  # cache slot of every KV entry each row attends over (None: paged)
     slot_mapping: list[int]  # cache slot where each new token's k/v is written, in batch order
     # Optional [query_len, kv_len] boolean mask per row (True = may attend), replacing the causal
     # rule (query i sees KV entries up to kv_len - query_len + i); tree verification uses it.
     custom_masks: list[torch.Tensor | None] | None = None
+    page_tables: list[Sequence[int]] | None = None  # paged: each row's pages (at least its KV's)
+    kv_lens: list[int] | None = None  # paged: each row's KV length
+    page_size: int = 0
+
+    @classmethod
+    def paged(cls, query_lens: list[int], page_tables: list[Sequence[int]], kv_lens: list[int],
+              slot_mapping: list[int], page_size: int) -> AttentionBatch:
+        return cls(query_lens, None, slot_mapping, page_tables=page_tables, kv_lens=kv_lens, page_size=page_size)
 
     @property
     def seq_lens(self) -> list[int]:
-        return [len(s) for s in self.kv_slots]
+        return list(self.kv_lens) if self.kv_slots is None else [len(s) for s in self.kv_slots]
+
+    def slot_lists(self) -> list[list[int]]:
+        """`kv_slots`, listed from the page tables for a paged batch."""
+        if self.kv_slots is None:
+            self.kv_slots = [positions_to_slots(pages, range(n), self.page_size)
+                             for pages, n in zip(self.page_tables, self.kv_lens)]
+        return self.kv_slots
+
+    def page_rows(self) -> torch.Tensor:
+        """[B, P] int64 (CPU): a paged batch's page tables, zero-padded to the longest row's KV pages."""
+        ps = self.page_size
+        need = [-(-n // ps) for n in self.kv_lens]
+        rows = np.zeros((len(need), max(need, default=0) or 1), dtype=np.int64)
+        for r, (pages, k) in enumerate(zip(self.page_tables, need)):
+            rows[r, :k] = pages[:k]
+        return torch.from_numpy(rows)
 
 
 def positions_to_slots(pages, positions, page_size: int) -> list[int]:

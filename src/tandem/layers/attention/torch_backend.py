@@ -33,7 +33,8 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         num_rows = len(batch.query_lens)
         max_q = max(batch.query_lens)
-        max_kv = max(len(s) for s in batch.kv_slots)
+        slot_lists = batch.slot_lists()
+        max_kv = max(len(s) for s in slot_lists)
         query_index = torch.zeros(num_rows, max_q, dtype=torch.long)
         query_valid = torch.zeros(num_rows, max_q, dtype=torch.bool)
         kv_slots = torch.zeros(num_rows, max_kv, dtype=torch.long)
@@ -41,7 +42,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Padded query rows attend to KV 0 only, so softmax never sees an all-masked row (NaN).
         mask[:, 0, :, 0] = True
         offset = 0
-        for r, (q_len, slots) in enumerate(zip(batch.query_lens, batch.kv_slots)):
+        for r, (q_len, slots) in enumerate(zip(batch.query_lens, slot_lists)):
             kv_len = len(slots)
             query_index[r, :q_len] = torch.arange(offset, offset + q_len)
             query_valid[r, :q_len] = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from tandem.layers.attention.base import AttentionBackend, AttentionBatch
+from tandem.layers.attention.base import AttentionBackend, AttentionBatch, page_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from tandem.layers.attention.triton_kernels import attention_kernel, merge_splits_kernel, store_kv_kernel
 from tandem.runtime.uploads import to_device
@@ -169,7 +169,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
         lengths = dict(q_lens=to_device(q_lens, device), kv_lens=to_device(kv_lens, device))
         if batch.custom_masks is not None and any(m is not None for m in batch.custom_masks):
-            base = self._reference.plan(batch, device)
+            base = self._reference.plan(batch, device)  # (lists a paged batch's slots)
             return TritonAttentionMetadata(base.slot_mapping, base.query_index, base.query_valid, base.kv_slots,
                                            base.mask, **lengths, causal=False)
         # All rows causal: the same index tensors as the torch plan, but no [B, Lq, Lkv] mask.
@@ -177,13 +177,20 @@ class TritonAttentionBackend(AttentionBackend):
         query_valid = q_range[None, :] < q_lens[:, None]  # [B, Lq]
         starts = torch.cumsum(q_lens, 0) - q_lens
         query_index = torch.where(query_valid, starts[:, None] + q_range[None, :], 0).long()
-        kv_valid = torch.arange(int(kv_lens.max()))[None, :] < kv_lens[:, None]  # [B, Lkv]
-        kv_slots = torch.zeros(kv_valid.shape, dtype=torch.long)
-        kv_slots[kv_valid] = torch.tensor([s for row in batch.kv_slots for s in row], dtype=torch.long)
+        max_kv = int(kv_lens.max())
+        if batch.kv_slots is None:  # paged: slots from the page tables, on the device
+            page_rows = to_device(batch.page_rows(), device, torch.long)
+            kv_pos = torch.arange(max_kv, device=device)[None, :].expand(page_rows.shape[0], -1)
+            kv_slots = page_slots(page_rows, kv_pos, batch.page_size)  # (past a row's kv_len: never read)
+        else:
+            kv_valid = torch.arange(max_kv)[None, :] < kv_lens[:, None]  # [B, Lkv]
+            kv_slots = torch.zeros(kv_valid.shape, dtype=torch.long)
+            kv_slots[kv_valid] = torch.tensor([s for row in batch.kv_slots for s in row], dtype=torch.long)
+            kv_slots = to_device(kv_slots, device)
         return TritonAttentionMetadata(
             slot_mapping=to_device(batch.slot_mapping, device, torch.long),
             query_index=to_device(query_index, device), query_valid=to_device(query_valid, device),
-            kv_slots=to_device(kv_slots, device), mask=None, **lengths, causal=True,
+            kv_slots=kv_slots, mask=None, **lengths, causal=True,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
