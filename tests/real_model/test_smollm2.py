@@ -83,3 +83,27 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
         assert want[0] == 1
         assert ours(text).input_ids == want[1:], text
         assert ours.decode(ours(text).input_ids) == text
+
+
+def test_its_head_speculates_by_default_and_changes_no_token(smollm2):
+    """`Engine("smollm2-135m-instruct")` drafts with the shipped EAGLE-3 head; its greedy tokens equal plain
+    decoding's (the checkpoint directory, no draft), and a seeded request gives the same tokens with and
+    without speculation, chain and tree. The head accepts something on these prompts (it was trained)."""
+    from tandem import named_models
+
+    path, _ = smollm2
+    head = named_models.head_dir(named_models.MODELS["smollm2-135m-instruct"])
+    assert head is not None and os.path.isfile(os.path.join(head, "model.safetensors"))
+    greedy = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    seeded = [SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
+    with Engine(path, **ENGINE) as plain:
+        prompts = _prompts(plain.tokenizer, 4)
+        want = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+        want_seeded = [o.token_ids for o in plain.generate(input_ids=prompts[:2], sampling_params=seeded)]
+    for shape in (dict(), dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)):
+        with Engine("smollm2-135m-instruct", **ENGINE, speculative_adaptive="off", **shape) as engine:
+            assert engine.args.speculative_draft_model_path == head
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+            assert [o.token_ids for o in outs] == want
+            assert sum(n - 1 for o in outs for n in o.spec_accept_lengths) > 0
+            assert [o.token_ids for o in engine.generate(input_ids=prompts[:2], sampling_params=seeded)] == want_seeded

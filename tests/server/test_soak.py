@@ -1,7 +1,8 @@
 """A short soak: 64 concurrent clients for about 30 s against one server, streaming and not, a third of
 the streams cut off by their client after a few chunks. Every request that is not cut off answers 200
 with well-formed output, a greedy request gives the same text under load as alone, and afterwards
-nothing is running or queued and every KV page is free again."""
+nothing is running or queued and every KV page is free again. Every prompt starts with one shared text
+of several KV pages, so requests also start from each other's cached pages (the prefix cache is on)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tests.server.helpers import ServerProcess, parse_metrics, wait_for
 
 CLIENTS = 64
 SOAK_S = 30
-GREEDY = {"prompt": "the same words", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+SHARED = ("You are a helpful assistant. Answer briefly and precisely, and say so when you do not know. " * 3)
+GREEDY = {"prompt": SHARED + "the same words", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 def client_loop(url: str, seed: int, stop: threading.Event, results: list, greedy_texts: list) -> None:
@@ -24,7 +26,7 @@ def client_loop(url: str, seed: int, stop: threading.Event, results: list, greed
     with httpx.Client(base_url=url, timeout=60) as http:
         while not stop.is_set():
             kind = rng.choice(["plain", "stream", "cut", "chat", "greedy"])
-            body = {"prompt": f"client {seed} says", "max_tokens": rng.randint(1, 24), "ignore_eos": True,
+            body = {"prompt": SHARED + f"client {seed} says", "max_tokens": rng.randint(1, 24), "ignore_eos": True,
                     "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randint(0, 99)}
             try:
                 if kind == "greedy":
@@ -34,7 +36,8 @@ def client_loop(url: str, seed: int, stop: threading.Event, results: list, greed
                 elif kind == "plain":
                     results.append((kind, http.post("/v1/completions", json=body).status_code))
                 elif kind == "chat":
-                    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                    r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": SHARED},
+                                                                             {"role": "user", "content": "hi"}],
                                                                 "max_tokens": body["max_tokens"]})
                     results.append((kind, r.status_code))
                 else:
@@ -79,6 +82,7 @@ def test_soak_64_clients_with_disconnects(chat_ckpt, tmp_path):
             return (m['tandem:num_requests_running{replica="0"}'] == 0 and m['tandem:num_requests_waiting{replica="0"}'] == 0
                     and m['tandem:kv_pages_used{replica="0"}'] == pages_idle)
         assert wait_for(idle, timeout=20), "KV pages or requests left behind"
+        assert parse_metrics(httpx.get(srv.url + "/metrics").text)['tandem:prefix_cache_hits_total{replica="0"}'] > 0
         assert srv.health()["queued_requests"] == 0
         assert "Traceback" not in srv.log()
     finally:
