@@ -5,7 +5,13 @@ adaptive depth would stop drafting for a random head).
 python bench/overlap_bench.py --out overlap.json [--shapes llama-3.2-1b llama-3.1-8b]
     [--attention-backend torch|triton] [--disable-cuda-graph] [--plain]
 
---plain adds one row per batch for plain decoding (no draft) in the same run, as the baseline.
+--plain adds one row per batch for plain decoding (no draft) in the same run, as the baseline;
+--default-only measures the speculative engine only as it ships (overlap and plan stream on).
+
+The floor is the target's weight bytes over --copy-tb-s (4.27 TB/s: the H200's measured device-to-device
+copy bandwidth, docs/performance.md): no decode step can read its weights faster. Each row prints its
+iteration over the floor, kernels per iteration, GPU busy time and the gaps between kernels, so what stands
+between a step and the floor can be read off one table.
 
 GPU idle = 1 - (union of kernel/memcpy intervals) / (first kernel start .. last kernel end), from the
 torch profiler over a window of decode iterations. Acceptance is whatever random heads give (~1):
@@ -48,6 +54,16 @@ def gpu_idle_fraction(prof) -> float:
     return 1 - busy / span
 
 
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of the target's parameters (tied embeddings once): what a decode step must read at least."""
+    seen, total = set(), 0
+    for p in engine.runner.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 def measure(engine: Engine, batch: int) -> dict:
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True)
@@ -71,7 +87,8 @@ def measure(engine: Engine, batch: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
     idle = gpu_idle_fraction(prof)
-    gpu_ms = (1 - idle) * _span_us(prof) / PROFILE / 1e3
+    span_ms = _span_us(prof) / PROFILE / 1e3
+    gpu_ms = (1 - idle) * span_ms
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     top = sorted(((e.key, e.device_time_total / PROFILE / 1e3) for e in kernels), key=lambda kv: -kv[1])[:8]
     by_kind = {}
@@ -84,6 +101,7 @@ def measure(engine: Engine, batch: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     return {"iter_ms": round(iter_ms, 3), "gpu_idle_frac": round(idle, 4), "gpu_busy_ms_per_iter": round(gpu_ms, 3),
+            "gpu_gap_ms_per_iter": round(idle * span_ms, 3),
             "tokens_after": tokens, "cpu_ms_per_iter": cpu,
             "kernels_per_iter": round(sum(e.count for e in kernels) / PROFILE, 1),
             "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
@@ -144,10 +162,13 @@ def main():
     ap.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--plain", action="store_true", help="also measure plain decoding (no draft)")
+    ap.add_argument("--default-only", action="store_true", help="speculative rows with overlap and plan stream on only")
+    ap.add_argument("--copy-tb-s", type=float, default=4.27, help="the bandwidth of the floor (TB/s)")
     ns = ap.parse_args()
     root = tempfile.mkdtemp()
     rows = []
-    configs = [(o, p) for o in (True, False) for p in (True, False)] + ([(None, None)] if ns.plain else [])
+    configs = [(True, True)] if ns.default_only else [(o, p) for o in (True, False) for p in (True, False)]
+    configs += [(None, None)] if ns.plain else []
     for shape in ns.shapes:
         target, head = write_preset(shape, root)
         for overlap, plan in configs:
@@ -159,10 +180,13 @@ def main():
                             attention_backend=ns.attention_backend, disable_cuda_graph=ns.disable_cuda_graph,
                             max_running_requests=max(ns.batches), context_length=4096,
                             max_total_tokens=max(ns.batches) * 4096, chunked_prefill_size=8192)
+            floor_ms = weight_bytes(engine) / (ns.copy_tb_s * 1e12) * 1e3
             for batch in ns.batches:
                 r = {"shape": shape, "mode": "plain" if overlap is None else "spec", "overlap": overlap,
                      "plan_stream": plan, "batch": batch, "attention_backend": ns.attention_backend,
-                     "cuda_graphs": not ns.disable_cuda_graph, **measure(engine, batch)}
+                     "cuda_graphs": not ns.disable_cuda_graph, "floor_ms": round(floor_ms, 3),
+                     **measure(engine, batch)}
+                r["iter_over_floor"] = round(r["iter_ms"] / floor_ms, 3)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             engine.shutdown()
@@ -173,13 +197,14 @@ def main():
               "command": "python bench/overlap_bench.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     report.write_json(result, ns.out)
-    print(f"{'shape':14} {'mode':5} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'gpu ms':>7} {'idle':>6}"
-          "  host ms: sched launch wait update")
+    print(f"{'shape':14} {'mode':5} {'B':>3} {'overlap':>7} {'plan':>5} {'iter ms':>8} {'floor':>6} {'x floor':>7} "
+          f"{'kernels':>7} {'gpu ms':>7} {'gaps ms':>7} {'idle':>6}  host ms: sched launch wait update")
     for r in rows:
         c = r["cpu_ms_per_iter"]
         print(f"{r['shape']:14} {r['mode']:5} {r['batch']:>3} {r['overlap']!s:>7} {r['plan_stream']!s:>5} "
-              f"{r['iter_ms']:>8.2f} {r['gpu_busy_ms_per_iter']:>7.2f} {r['gpu_idle_frac']:>6.1%}  {c['schedule']:6.2f} "
-              f"{c['launch']:6.2f} {c['collect_wait']:6.2f} {c['update']:6.2f}")
+              f"{r['iter_ms']:>8.2f} {r['floor_ms']:>6.2f} {r['iter_over_floor']:>7.2f} {r['kernels_per_iter']:>7.0f} "
+              f"{r['gpu_busy_ms_per_iter']:>7.2f} {r['gpu_gap_ms_per_iter']:>7.2f} {r['gpu_idle_frac']:>6.1%}  "
+              f"{c['schedule']:6.2f} {c['launch']:6.2f} {c['collect_wait']:6.2f} {c['update']:6.2f}")
     for r in rows:
         kinds = " ".join(f"{k} {v:.3f}" for k, v in r["gpu_ms_by_kind"].items())
         print(f"top GPU ms/iter {r['shape']} {r['mode']} B={r['batch']} overlap={r['overlap']} plan={r['plan_stream']}"

@@ -19,10 +19,21 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Without --log-level: the server and the trainers report their progress in the log; generate and bench show
 # their progress bars and output, and the engine's own lines (KV cache size, draft depth changes) only at INFO.
 DEFAULT_LOG_LEVEL = {"serve": "INFO", "train-draft": "INFO", "make-demo-pair": "INFO"}
+# Without --model-path, generate and serve run this real pair (pulled on first use, then offline);
+# `--model-path demo` is the bundled demo pair. (`Engine()` in Python and `tandem bench` use the demo pair.)
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def log_level(ns: argparse.Namespace) -> str:
     return ns.log_level or DEFAULT_LOG_LEVEL.get(ns.command, "WARNING")
+
+
+def model_engine_kwargs(ns: argparse.Namespace) -> dict:
+    """The Engine keyword arguments of `generate` and `serve`: the flags, with the default model filled in."""
+    kwargs = engine_kwargs(ns)
+    if kwargs["model_path"] is None:
+        kwargs["model_path"] = DEFAULT_MODEL
+    return kwargs
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -35,7 +46,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
         min_p=ns.min_p, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
     )
-    with Engine(**engine_kwargs(ns)) as engine:
+    with Engine(**model_engine_kwargs(ns)) as engine:
         if ns.chat:
             outs = engine.generate(input_ids=[_chat_prompt(engine, m) for m in ns.chat], sampling_params=params)
         else:
@@ -70,7 +81,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       max_queued_requests=ns.max_queued_requests, max_request_bytes=ns.max_request_bytes,
                       shutdown_timeout=ns.shutdown_timeout, tool_call_parser=ns.tool_call_parser,
                       log_level=log_level(ns), load_balance_method=ns.load_balance_method)
-    return run_server(args, engine_kwargs(ns))
+    return run_server(args, model_engine_kwargs(ns))
 
 
 def cmd_pull(ns: argparse.Namespace) -> int:
@@ -92,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
                         help="INFO for serve, train-draft and make-demo-pair; WARNING for generate and bench")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    model_help = (f"Without --model-path: {DEFAULT_MODEL} with its EAGLE-3 head (pulled on first use); "
+                  "--model-path demo: the bundled demo pair, offline.")
+    gen = sub.add_parser("generate", help="generate text for one or more prompts", description=model_help)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     gen.add_argument("--chat", action="append", metavar="MESSAGE",
                      help="a user message, sent through the model's chat template (repeat for a batch)")
@@ -107,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description=model_help)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
     srv.add_argument("--load-balance-method", default="cache_aware", choices=["cache_aware", "shortest_queue"],
@@ -149,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except (ValueError, FileNotFoundError, NotImplementedError, PullError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
+        if isinstance(e, PullError) and ns.command in ("generate", "serve") and ns.model_path is None:
+            print(f"tandem: without --model-path, {ns.command} runs {DEFAULT_MODEL}; --model-path demo runs "
+                  "the bundled demo pair offline", file=sys.stderr)
         return 2
 
 

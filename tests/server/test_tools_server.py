@@ -97,12 +97,57 @@ def test_bad_tool_requests(echo_chat, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_template_without_tool_support_is_a_400():
+NO_TOOLS_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message():
+    """The whole prompt, written out by hand: the tool list and the Hermes instruction in the system message
+    (after the caller's own system text), the assistant's call as a <tool_call> block after its content, and
+    the tool's result as a user turn in <tool_response>."""
+    from tandem.server.protocol import ChatCompletionRequest
+    from tandem.server.tools import plan_tools
+
     tok = byte_level_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with TestClient(build_app(ReplicaSet([EchoEngineClient()]), tok, "echo")) as http:
-        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]})
-        assert r.status_code == 400 and "no tool support" in r.json()["error"]["message"]
+    tok.chat_template = NO_TOOLS_TEMPLATE
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    req = ChatCompletionRequest(model="m", messages=messages, tools=[WEATHER])
+    plan = plan_tools(req, tok.chat_template, "mistral")  # (a parser flag cannot apply: the prompt teaches hermes)
+    assert plan.in_system_prompt and plan.fmt == "hermes" and plan.template_kwargs() == {}
+    text = tok.apply_chat_template(plan.messages([m.for_template() for m in req.messages]), tokenize=False)
+    function = ('{"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", '
+                '"properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}}, '
+                '"required": ["city", "unit"], "additionalProperties": false}}')
+    assert text == (
+        "<|system|>Be brief.\n\nYou can call these functions, given as JSON schemas:\n<tools>\n" + function +
+        "\n</tools>\nTo call a function, answer with one block per call and nothing else in it:\n"
+        '<tool_call>{"name": "the function name", "arguments": {"an argument": "its value"}}</tool_call>\n'
+        "Otherwise answer in text.\n"
+        "<|user|>Weather in Oslo?\n"
+        '<|assistant|>Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+        "</tool_call>\n"
+        "<|user|><tool_response>\n-3 C\n</tool_response>\n<|assistant|>")
+    named = ChatCompletionRequest(model="m", messages=messages[1:2], tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    system = plan_tools(named, tok.chat_template, None).messages([m.for_template() for m in named.messages])[0]
+    assert system["role"] == "system" and system["content"].endswith(
+        "Call the function get_weather: answer with its arguments as one JSON object, and nothing else.")
+
+
+def test_a_template_without_tools_serves_them():
+    """Over HTTP: 200, and (the echo engine replies with its prompt) the prompt held the tool's schema."""
+    tok = byte_level_tokenizer()
+    tok.chat_template = NO_TOOLS_TEMPLATE
+    engine = EchoEngineClient()
+    engine.info.max_model_len = 2048
+    with TestClient(build_app(ReplicaSet([engine]), tok, "echo")) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                                    "max_tokens": 1500})
+        assert r.status_code == 200, r.text
+        assert '"name": "get_weather", "description": "Current weather"' in r.json()["choices"][0]["message"]["content"]
 
 
 @pytest.fixture(scope="module")

@@ -96,9 +96,9 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
         args = EngineArgs(model_path=model_path, **kwargs)
-        if args.model_path is None:  # the bundled demo pair: its target, drafted by its EAGLE-3 head
-            from tandem.demo import with_demo_pair
+        from tandem.demo import is_demo, with_demo_pair
 
+        if is_demo(args.model_path):  # the bundled demo pair: its target, drafted by its EAGLE-3 head
             args = with_demo_pair(args)
         else:  # a model by name (tandem/named_models.py): pulled into the cache on first use
             from tandem.named_models import with_named_model

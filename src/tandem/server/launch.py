@@ -45,7 +45,7 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     """Serves until SIGTERM / Ctrl-C; returns the exit status."""
     import uvicorn
 
-    from tandem.demo import with_demo_pair
+    from tandem.demo import is_demo, with_demo_pair
     from tandem.engine.engine import EngineArgs
     from tandem.named_models import named_model, with_named_model
     from tandem.server.app import build_app
@@ -54,12 +54,12 @@ def run_server(args: ServerArgs, engine_kwargs: dict) -> int:
     from tandem.tokenizer import load_tokenizer
 
     model_path = engine_kwargs.get("model_path")
-    model_name = args.served_model_name or model_path or "tandem-demo"
-    if model_path is None:
+    model_name = args.served_model_name or ("tandem-demo" if is_demo(model_path) else model_path)
+    if is_demo(model_path):
         # The bundled pair: the target with its EAGLE-3 head, as Engine() does.
         engine_kwargs = dict(vars(with_demo_pair(EngineArgs(**engine_kwargs))))
         model_path = engine_kwargs["model_path"]
-        logger.info("no --model-path: serving the bundled demo pair (%s)", model_path)
+        logger.info("serving the bundled demo pair (%s)", model_path)
     elif named_model(model_path) is not None:  # pulled once here, before the replicas start, not by each
         engine_kwargs = dict(vars(with_named_model(EngineArgs(**engine_kwargs))))
         model_path = engine_kwargs["model_path"]

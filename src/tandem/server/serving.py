@@ -435,6 +435,7 @@ class OpenAIServing:
         if req.continue_final_message:
             extra["continue_final_message"] = True
         if tools is not None:
+            messages = tools.messages(messages)
             extra.update(tools.template_kwargs())
         try:
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,

@@ -1,7 +1,8 @@
 """Tool calls in /v1/chat/completions: what `tools` / `tool_choice` ask, and the reply in OpenAI's shape.
 
-- `tools` go to the chat template (a 400 if the template has no tool support); the reply is parsed in
-  the template's format (structured/tool_parsers.py; `--tool-call-parser` overrides the detection).
+- `tools` go to the chat template; the reply is parsed in the template's format
+  (structured/tool_parsers.py; `--tool-call-parser` overrides the detection). A template with no tool
+  section gets them in the system message instead, in the Hermes format (server/tool_prompt.py).
 - `tool_choice`: `auto` (default with tools) parses whatever the model wrote; `none` renders no tools
   and parses nothing; `required` constrains the reply to a JSON array of calls of the given tools, and
   a named function constrains it to that function's arguments (a JSON-schema grammar, so forced calls
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from tandem.server.errors import bad_request
 from tandem.server.protocol import ChatCompletionRequest, NamedToolChoice
+from tandem.server.tool_prompt import messages_with_tools
 from tandem.structured import tool_parsers
 from tandem.structured.tool_parsers import ParsedReply
 
@@ -31,9 +33,16 @@ class ToolPlan:
     fmt: str  # tool_parsers format of the reply (auto)
     named: str | None = None
     parallel: bool = True  # parallel_tool_calls: a reply may hold several calls
+    in_system_prompt: bool = False  # the template has no tool section: the tools go in the system message
 
     def template_kwargs(self) -> dict:
-        return {"tools": list(self.tools)}
+        return {} if self.in_system_prompt else {"tools": list(self.tools)}
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        """The conversation as the template gets it (rewritten when the tools go in the system message)."""
+        if not self.in_system_prompt:
+            return messages
+        return messages_with_tools(messages, list(self.tools), self.mode, self.named)
 
     def constraint(self) -> tuple[str, dict] | None:
         """(request field, SamplingParams keywords) of the grammar a forced call needs, or None (auto)."""
@@ -74,19 +83,19 @@ def plan_tools(req: ChatCompletionRequest, chat_template: str | None, parser: st
         return None
     if choice == "none":
         return None
-    if "tools" not in (chat_template or ""):
-        raise bad_request("tools: the model's chat template has no tool support", "tools")
     tools = tuple(t.model_dump(exclude_none=True) for t in req.tools)
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", "tools")
-    fmt = parser or tool_parsers.detect_format(chat_template)
+    in_system_prompt = "tools" not in (chat_template or "")
+    # (tools in the system message are taught in the Hermes format, so replies are parsed in it)
+    fmt = "hermes" if in_system_prompt else parser or tool_parsers.detect_format(chat_template)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
-        return ToolPlan("named", tools, fmt, choice.function.name)
+        return ToolPlan("named", tools, fmt, choice.function.name, in_system_prompt=in_system_prompt)
     return ToolPlan("required" if choice == "required" else "auto", tools, fmt,
-                    parallel=req.parallel_tool_calls is not False)
+                    parallel=req.parallel_tool_calls is not False, in_system_prompt=in_system_prompt)
 
 
 def tool_calls_json(parsed: ParsedReply) -> list[dict]:
