@@ -109,9 +109,14 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     disable_plan_stream: bool = False
     cuda_graph_max_bs: int = 0  # 0: no CUDA graphs (always so on a CPU)
+    # Prefill and mixed steps of up to this many tokens replay piecewise graphs (runtime/piecewise_graphs.py).
+    piecewise_cuda_graph_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be torch or triton (got {self.attention_backend!r})")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (got {self.cuda_graph_max_bs})")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0 "
+                             f"(got {self.piecewise_cuda_graph_max_tokens})")

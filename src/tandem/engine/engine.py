@@ -54,6 +54,9 @@ class EngineArgs:
     disable_prefix_caching: bool = False
     disable_cuda_graph: bool = False  # GPU only: replay captured decode steps instead of launching them
     cuda_graph_max_bs: int = 64  # largest decode batch captured (capped at max_running_requests)
+    # Steps with prompt tokens (up to this many tokens, capped at chunked_prefill_size) replay one graph per
+    # layer between the attention calls; 0: they run eagerly. (SGLang's flag of the same name.)
+    piecewise_cuda_graph_max_tokens: int = 2048
     tp_size: int = 1
     dp_size: int = 1
 
@@ -139,6 +142,8 @@ class Engine:
             disable_overlap_schedule=args.disable_overlap_schedule,
             disable_plan_stream=args.disable_plan_stream,
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            piecewise_cuda_graph_max_tokens=0 if args.disable_cuda_graph else min(
+                args.piecewise_cuda_graph_max_tokens, args.chunked_prefill_size),
         )
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.eos_token_ids = eos_token_ids(args.model_path, self.arch.eos_token_ids, self.tokenizer)

@@ -73,7 +73,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary  # shared by all layers; not a parameter
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """q, k, v of x [N, heads or kv_heads, D], rotated. Given `slot_mapping` (a backend that reads k/v
+        from the cache only), k and v are also written to those cache slots where the fused kernel
+        applies; the last value says whether they were (else the backend's forward stores them)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, self.num_heads, self.head_dim)
@@ -81,13 +85,22 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
-        stored = ctx.backend.accepts_stored_kv and self.rotary.rotate_and_store_(
-            positions, q, k, v, k_cache, v_cache, ctx.metadata.slot_mapping)
+        stored = slot_mapping is not None and self.rotary.rotate_and_store_(
+            positions, q, k, v, k_cache, v_cache, slot_mapping)
         if not stored:
             q, k = self.rotary(positions, q, k)
+        return q, k, v, stored
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
+        q, k, v, stored = self.project(positions, x, k_cache, v_cache, store_slots(ctx))
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, self.scale, kv_stored=stored)
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+def store_slots(ctx: StepContext) -> torch.Tensor | None:
+    """The slots a layer writes its k/v to itself, or None where the backend's forward stores them."""
+    return ctx.metadata.slot_mapping if ctx.backend.accepts_stored_kv else None
 
 
 class LlamaMLP(nn.Module):
@@ -120,11 +133,24 @@ class LlamaDecoderLayer(nn.Module):
         """Returns (out, residual); the residual stream after this layer is out + residual. The add
         is left to the next norm, which fuses it (one kernel on a GPU instead of two): pass the
         previous layer's pair as (x, residual), or the stream itself as x with residual None."""
+        attn = self.self_attn
+        k_cache, v_cache = ctx.k_caches[attn.layer_id], ctx.v_caches[attn.layer_id]
+        q, k, v, stored, residual = self.attention_input(positions, x, residual, k_cache, v_cache, store_slots(ctx))
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, attn.scale, kv_stored=stored)
+        return self.attention_output(out, residual)
+
+    # The two halves around attention, also run on their own (piecewise CUDA graphs: runtime/piecewise_graphs.py).
+    def attention_input(self, positions, x, residual, k_cache, v_cache, slot_mapping):
+        """The input norm (with the residual add) and q/k/v: returns (q, k, v, stored, residual)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual=residual)
-        h = self.self_attn(positions, h, ctx)
+        return (*self.self_attn.project(positions, h, k_cache, v_cache, slot_mapping), residual)
+
+    def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """o_proj, the post-attention norm (with the residual add) and the MLP: returns (out, residual)."""
+        h = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         h, residual = self.post_attention_layernorm(h, residual=residual)
         return self.mlp(h), residual
 

@@ -33,6 +33,7 @@ from tandem.models.registry import build_target_model
 from tandem.runtime import prompt_logprobs
 from tandem.runtime.cuda_graphs import GraphedFunction, GraphInput, capture_all, capture_batch_sizes
 from tandem.runtime.decode_plan import decode_metadata
+from tandem.runtime.piecewise_graphs import PiecewiseForward, piecewise_supported
 from tandem.runtime.plain_state import PlainStatePool, PlainStepHandle
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import StepResult, collect_logprobs
@@ -122,8 +123,15 @@ class ModelRunner:
         self._last_handle = None
         self.decode_graphs: dict[SamplingFeatures, GraphedFunction] = {}
         self._staging_in_use: torch.cuda.Event | None = None  # the decode graph's last staging upload
-        if config.cuda_graph_max_bs and (self.device.type == "cuda" or envs.cuda_graph_emulate()):
+        graphs_here = self.device.type == "cuda" or envs.cuda_graph_emulate()
+        if config.cuda_graph_max_bs and graphs_here:
             self._capture_cuda_graphs(max_model_len)
+        self.piecewise: PiecewiseForward | None = None
+        if config.piecewise_cuda_graph_max_tokens and graphs_here and piecewise_supported(self.model):
+            aux = self.spec.drafter.model.aux_layer_ids if self.spec is not None else ()
+            self.piecewise = PiecewiseForward(self.model, aux, config.piecewise_cuda_graph_max_tokens, self.sink_slot,
+                                              self.device)
+            self.piecewise.capture(StepContext(self.backend, None, self.kv_cache.k, self.kv_cache.v))
 
     # ---- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self, max_model_len: int) -> None:
@@ -483,8 +491,16 @@ class ModelRunner:
             rows = to_device(batch.future_rows, self.device, torch.long)
             input_ids[rows] = self.plain_state.last_token[to_device(batch.future_slots, self.device, torch.long)]
         positions = to_device(batch.positions, self.device, torch.long)
-        hidden, _ = self.model(input_ids, positions, ctx)
+        hidden, _ = self.target_forward(input_ids, positions, ctx)
         return hidden
+
+    def target_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                       aux_layer_ids: tuple[int, ...] = ()):
+        """The target over a flat batch of prompt chunks and decodes: piecewise CUDA graphs where they
+        were captured for its size (the outputs are then views their next replay overwrites), else eager."""
+        if self.piecewise is not None and self.piecewise.fits(input_ids.shape[0], aux_layer_ids):
+            return self.piecewise(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, aux_layer_ids=aux_layer_ids)
 
 
 

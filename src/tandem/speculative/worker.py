@@ -794,7 +794,7 @@ class SpecWorker:
         ctx = StepContext(runner.backend, metadata, runner.kv_cache.k, runner.kv_cache.v)
         ids_t = to_device(input_ids, runner.device, torch.long)
         pos_t = to_device(positions, runner.device, torch.long)
-        hidden, aux = runner.model(ids_t, pos_t, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
+        hidden, aux = runner.target_forward(ids_t, pos_t, ctx, aux_layer_ids=self.drafter.model.aux_layer_ids)
         return hidden, aux, first_row
 
     def _prefill_feed(self, c: ScheduledChunk, feat) -> PrefillFeed:

@@ -103,3 +103,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [N, heads, D]
         """Write this step's k/v into the cache slots (unless the caller did: `kv_stored`), then
         attend over the whole sequence."""
+
+    def forward_into(self, out: torch.Tensor, q, k, v, k_cache, v_cache, metadata: object, scale: float,
+                     kv_stored: bool = False) -> None:
+        """`forward` with its result written into `out` [N, heads, D] (a static buffer of the piecewise
+        CUDA graphs, runtime/piecewise_graphs.py); a backend that can write there directly overrides it."""
+        out.copy_(self.forward(q, k, v, k_cache, v_cache, metadata, scale, kv_stored))

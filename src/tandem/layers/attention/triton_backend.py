@@ -80,8 +80,10 @@ def launch_config(num_rows: int, lq: int, lkv: int, group: int, kv_heads: int, b
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    metadata: TorchAttentionMetadata, scale: float, num_kv_splits: int | None = None) -> torch.Tensor:
-    """Attention of q [N, H, D] over the cache entries `metadata.kv_slots`; returns [N, H, D]."""
+                    metadata: TorchAttentionMetadata, scale: float, num_kv_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [N, H, D] over the cache entries `metadata.kv_slots`; returns [N, H, D] (in `out`
+    when given)."""
     if q.device.type != "cuda" and not interpreting():
         raise RuntimeError("the triton attention backend runs on a CPU only under TRITON_INTERPRET=1 "
                            "(set before tandem.layers.attention.triton_kernels is imported)")
@@ -97,7 +99,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # uint8 views: the kernels read bytes, whatever triton makes of a bool pointer.
     query_valid = metadata.query_valid.view(torch.uint8) if metadata.query_valid is not None else None
     mask = None if causal else metadata.mask.view(torch.uint8)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cfg.num_splits > 1:
         part_acc = torch.empty(num_rows * lq, num_heads, cfg.num_splits, block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_rows * lq, num_heads, cfg.num_splits, 2, dtype=torch.float32, device=q.device)
@@ -198,3 +201,9 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return paged_attention(q, k_cache, v_cache, metadata, scale, self.num_kv_splits)
+
+    def forward_into(self, out, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
+                     kv_stored: bool = False) -> None:
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        paged_attention(q, k_cache, v_cache, metadata, scale, self.num_kv_splits, out=out)
