@@ -22,7 +22,7 @@ from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 @torch.inference_mode()
 def test_replayed_segments_equal_the_eager_forward(tmp_path, backend):
     make_checkpoint("llama3", str(tmp_path), seed=0)
-    engine = Engine(str(tmp_path), device="cuda", dtype="float32", page_size=4, max_total_tokens=4096,
+    engine = Engine(str(tmp_path), device="cuda", dtype="float32", page_size=8, max_total_tokens=4096,
                     attention_backend=backend)
     runner = engine.runner
     assert runner.piecewise is not None  # on by default with CUDA graphs
