@@ -36,16 +36,18 @@ logger = logging.getLogger(__name__)
 
 
 def capture_token_counts(max_tokens: int) -> list[int]:
-    """Token counts to capture: powers of two and their halfway points from 16, so padding wastes at
-    most a third of a segment's rows."""
+    """Token counts to capture: 16, 24, 32, 48, ... 256 (powers of two and their halfway points), then
+    eighths of each power of two (256, 288, 320, ...). Large steps are GPU-bound, so their padding costs
+    in proportion (on an H200, 1,664-token prefills padded to 2,048 under halfway points took 27% longer
+    than eager ones): above 256 tokens, padding wastes at most an eighth."""
     counts, n = [], 16
-    while n < max_tokens:
-        counts.append(n)
-        half = n + n // 2
-        if half < max_tokens:
-            counts.append(half)
+    while n < 256:
+        counts += [n, n + n // 2]
         n *= 2
-    return counts + [max_tokens]
+    while n < max_tokens:
+        counts += [n + j * n // 8 for j in range(8)]
+        n *= 2
+    return [c for c in counts if c < max_tokens] + [max_tokens]
 
 
 class PiecewiseForward:
