@@ -21,15 +21,19 @@ class RecordingStream:
 
 
 class RecordingEvent:
+    count = 0
+
     def __init__(self, log):
         self.log, self.recorded_on = log, None
+        RecordingEvent.count += 1
+        self.serial = RecordingEvent.count
 
     def record(self, stream=None):
         self.recorded_on = stream.name
-        self.log.append(("record", stream.name))
+        self.log.append(("record", stream.name, self.serial))
 
     def synchronize(self):
-        self.log.append(("event_synchronize", self.recorded_on))
+        self.log.append(("event_synchronize", self.recorded_on, self.serial))
 
 
 class RecordingDeviceModule:
@@ -131,3 +135,34 @@ def test_four_combinations_give_identical_greedy_output(spec_models, shape, batc
     want = [o.token_ids for o in reference]
     for combo, outs in results.items():
         assert outs == want, f"overlap={combo[0]} plan_stream={combo[1]} differs from plain decoding"
+
+
+def test_first_tokens_do_not_wait_for_the_draft_prefill(spec_models, monkeypatch):
+    """A prompt-only step hands its sampled tokens to the host at an event queued before the draft's
+    prefill, so time to first token is plain decoding's (the draft prefill runs while they are sent)."""
+    from tandem.speculative.drafter import Drafter
+
+    logs = []
+    real_prefill = Drafter.prefill
+
+    def logged_prefill(self, *args, **kwargs):
+        logs[0].append(("draft_prefill",))
+        return real_prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(Drafter, "prefill", logged_prefill)
+    module = RecordingDeviceModule()
+    logs.append(module.log)
+    engine = Engine(spec_models["target"], speculative_algorithm="EAGLE3",
+                    speculative_draft_model_path=spec_models["EAGLE3"], **CHAIN, **ENGINE,
+                    _runner_hooks={"device_module": module})
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompts(1, seed=3)[0], params)
+    first = None
+    while first is None:
+        first = next((d for d in engine.step().deltas), None)
+    log = module.log
+    draft_prefill = log.index(("draft_prefill",))
+    waited = next(e for e in log if e[0] == "event_synchronize")
+    recorded = log.index(("record", waited[1], waited[2]))
+    assert recorded < draft_prefill, "the first token waited for the draft's prefill"
+    assert log.index(waited) > draft_prefill  # (the draft prefill was queued before the host waited)

@@ -169,6 +169,14 @@ class StreamSet:
         if self.checker:
             self.checker.merge("host", edge.clock)
 
+    def done(self, edge: Edge) -> bool:
+        """Whether the event has completed, without waiting for it."""
+        query = getattr(edge.event, "query", None)
+        finished = query() if query is not None else True
+        if finished and self.checker:
+            self.checker.merge("host", edge.clock)
+        return finished
+
     def read(self, buffer: str, stream: str) -> None:
         if self.checker:
             self.checker.read(buffer, self._checked_name(stream))

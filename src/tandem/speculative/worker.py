@@ -102,6 +102,7 @@ class SpecStepHandle:
 
     iteration: int
     ready: Edge | None = None  # results are in host memory after this event
+    tokens_ready: Edge | None = None  # a prompt-only step's tokens are, before its draft prefill (first tokens)
     seq_lens_ready: Edge | None = None  # the next iteration's verify plan waits on it
     staging_released: Edge | None = None  # the plan stream has copied the page-table staging buffer
     verify_ids: list[str] = field(default_factory=list)
@@ -148,6 +149,10 @@ class SpecWorker:
         self.grammar = None  # structured/matchers.GrammarRows once a constrained request arrived (the runner's)
         self._coin_buffers: dict[int, torch.Tensor] = {}  # nodes -> [rows, nodes] False (no synthetic coins)
         self._steps_since_demotion = 0
+        # Prompt-only steps collected at their tokens, before their draft prefill ran: held until it has
+        # (their tensors kept alive, the prefill's time read for the policy).
+        self._finishing: list[SpecStepHandle] = []
+        self._untimed_next = False  # the next step's time would count such a draft prefill
 
     def drop_requests(self, request_ids) -> None:
         for rid in request_ids:
@@ -266,7 +271,7 @@ class SpecWorker:
         handle.logprobs_wanted = {c.request_id: c.sampling_params.logprobs for c in sched.chunks
                                   if c.sampling_params.logprobs is not None}
         handle.seq_lens_ready = s.record("main", "seq_lens_ready")
-        self._copy_results(handle, outputs)
+        handle.ready = self._copy_results(handle, outputs, "results")
         self._last = handle
         handle.launch_ms = 1e3 * (time.perf_counter() - handle.launched_at)
         return handle
@@ -761,6 +766,11 @@ class SpecWorker:
                 pool.draft_entries[to_device([pool.slot(c.request_id) for c in done], runner.device, torch.long)] = \
                     to_device([c.end_pos + 1 - self.drafter.model.token_offset for c in done], runner.device,
                               torch.long)
+        if not handle.verify_ids:
+            # A prompt-only step's tokens go to the host before the draft's prefill runs: the first token
+            # does not wait for it (time to first token as plain decoding's).
+            handle.tokens_ready = self._copy_results(handle, outputs, "prefill_results")
+            outputs.clear()
         feature = self._feature(hidden, aux)
         feeds, sampled_row = [], {}
         sampled_index = {c.request_id: i for i, c in enumerate(sampling)}
@@ -821,23 +831,29 @@ class SpecWorker:
                            c.page_ids, c.sample)
 
     # ---- results -------------------------------------------------------------------------------
-    def _copy_results(self, handle: SpecStepHandle, outputs: dict[str, torch.Tensor]) -> None:
+    def _copy_results(self, handle: SpecStepHandle, outputs: dict[str, torch.Tensor], buffer: str) -> Edge:
+        """Queues the copy of `outputs` into the handle's host tensors; returns the event after it."""
         s = self.streams
         pin = self.runner.device.type == "cuda"
         # Fresh tensors per iteration: named per iteration (their memory is never shared across steps).
-        s.write(f"results[{handle.iteration}]", "main")
+        s.write(f"{buffer}[{handle.iteration}]", "main")
         for name, t in outputs.items():
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             handle.host[name] = host
             handle.keep_alive.append(t)
-        handle.ready = s.record("main", "results")
+        return s.record("main", buffer)
 
     def collect(self, handle: SpecStepHandle, result) -> None:
-        """Waits for one iteration's results (one event) and fills a StepResult."""
-        self.streams.host_wait(handle.ready)
+        """Waits for one iteration's results (one event; a prompt-only step's tokens, which come before
+        its draft prefill) and fills a StepResult."""
+        early = handle.tokens_ready is not None
+        self.streams.host_wait(handle.tokens_ready if early else handle.ready)
         step_ms = self.step_clock.collected(handle.launched_at)
-        self.streams.read(f"results[{handle.iteration}]", "host")
+        # On a GPU, a step collected after an early one was timed from it, and so counts its draft prefill.
+        timed = not (self._untimed_next and self.runner.device.type == "cuda")
+        self._untimed_next = early
+        self.streams.read(f"{'prefill_results' if early else 'results'}[{handle.iteration}]", "host")
         host = handle.host
         if handle.prompt_logprob_rows is not None:
             result.prompt_logprobs = prompt_logprobs.collect(handle.prompt_logprob_rows, host)
@@ -850,7 +866,6 @@ class SpecWorker:
                 collect_logprobs(handle.logprobs_wanted, handle.prefill_ids, [[t] for t in tokens], [1] * len(tokens),
                                  host["prefill_logprob"][:, None], host["prefill_top_v"][:, None],
                                  host["prefill_top_i"][:, None], result)
-        self._observe_draft_prefill(handle)
         if handle.verify_ids:
             lens = host["accept_lens"].tolist() if "accept_lens" in host else [1] * len(handle.verify_ids)
             outs = host["out_tokens"].tolist()
@@ -861,10 +876,28 @@ class SpecWorker:
             result.spec_max_depth = handle.max_depth
             result.spec_num_proposed = self.phases.num_nodes(handle.shape) - 1
             self.stats.record_step(handle.shape.depth)
-            self._inform_policy(handle, lens, step_ms)
+            self._inform_policy(handle, lens, step_ms if timed else None)
             if "verify_logprob" in host:
                 collect_logprobs(handle.logprobs_wanted, handle.verify_ids, outs, lens, host["verify_logprob"],
                                  host["verify_top_v"], host["verify_top_i"], result)
+        if early:
+            self._finishing.append(handle)
+        else:
+            self._finish(handle)
+        self._finish_ended_steps()
+
+    def _finish_ended_steps(self) -> None:
+        still_running = []
+        for h in self._finishing:
+            if self.streams.done(h.ready):
+                self._finish(h)
+            else:
+                still_running.append(h)
+        self._finishing = still_running
+
+    def _finish(self, handle: SpecStepHandle) -> None:
+        """A step the device has run to its end: its draft prefill's time to the policy, its tensors freed."""
+        self._observe_draft_prefill(handle)
         handle.keep_alive.clear()
 
     def _observe_draft_prefill(self, handle: SpecStepHandle) -> None:
@@ -874,13 +907,15 @@ class SpecWorker:
         if ms is not None:
             self.policy.observe_draft_prefill(handle.draft_prefill.tokens, ms)
 
-    def _inform_policy(self, handle: SpecStepHandle, lens: list[int], step_ms: float) -> None:
+    def _inform_policy(self, handle: SpecStepHandle, lens: list[int], step_ms: float | None) -> None:
         """Accept lengths and this step's time (less a catch-up's, which earlier steps deferred), for steps
         without prefill rows (they would count prefill time). On a GPU the step's time is `step_ms`
-        (StepClock: what throughput sees, host and device); on a CPU launching runs the step."""
+        (StepClock: what throughput sees, host and device; None: not known); on a CPU launching runs the step."""
         if self.policy is None:
             return
         self.policy.observe_step(handle.shape, handle.verify_ids, lens)
+        if step_ms is None:
+            return
         if handle.dormant and not handle.prefill_ids:  # (plain decoding's step: no option of the policy's)
             self.policy.observe_dormant_time(handle.padded_batch,
                                              step_ms if self.runner.device.type == "cuda" else handle.launch_ms,
