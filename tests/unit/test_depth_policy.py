@@ -791,11 +791,13 @@ def test_the_prefill_charge_is_what_a_prompt_token_adds_not_a_calls_fixed_part()
 
 
 def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_up_timing():
-    """The H200 case worked out (demo pair, batch 8): a chain of one costs 0.514 ms and position 1 is
-    accepted about 20% of the time (1.2 / 0.514 = 2.3 tokens a ms); dormant steps timed 0.1 ms at
-    start-up but 0.5 ms online in a slow stretch (2.0 a ms), so drafts are kept. After DORMANT_STALE_STEPS policy
-    steps there without a dormant step, the dormant step counts at 0.1 ms (10 a ms): the batch is demoted
-    and new requests are admitted dormant; one fresh online timing (0.49 ms, 2.03 a ms) decides again."""
+    """Demo pair, batch 8, H200: a chain of one replays in 0.514 ms and position 1 is accepted about 95% of
+    the time; dormant steps timed 0.1 ms at start-up but 0.5 ms online in a slow stretch of the host, so
+    every online step carries 0.4 ms of host work: the chain of one costs 0.914 (1.95 / 0.914 = 2.13 tokens a
+    ms) against the dormant step's 2.0 a ms, and drafts are kept. After DORMANT_STALE_STEPS policy steps there
+    without a dormant step, the dormant step counts at 0.1 ms and its host share at nothing (10 a ms against
+    the chain's 3.8): the batch is demoted and new requests are admitted dormant; one fresh online timing
+    (0.49 ms, 2.03 a ms against 2.15) decides again."""
     from tandem.speculative.policy import DORMANT_STALE_STEPS
 
     p = policy_with_costs({8: [0.52, 0.514, 0.553, 0.622]}, probe_every=10**9)
@@ -803,8 +805,8 @@ def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_u
     for _ in range(400):
         p.observe_dormant_time(8, 0.5)
     assert p.dormant_cost_ms[8] == pytest.approx(0.5, abs=1e-3)
-    teach(p, [0.18, 0.0, 0.0], steps=400)
-    assert 0.15 < p.acceptance[0] < 0.25  # (a moving average: 0.22 at the end of this sequence)
+    teach(p, [0.95, 0.0, 0.0], steps=400)
+    assert 0.9 < p.acceptance[0] < 1.0
     rows = [f"r{i}" for i in range(8)]
     for _ in range(DORMANT_STALE_STEPS - 1):
         p.choose(rows, 8)
@@ -814,6 +816,35 @@ def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_u
     p.observe_dormant_time(8, 0.33)
     assert p.dormant_cost_ms[8] == pytest.approx(0.4915, abs=1e-3)
     assert not p.admit("after", 8)
+
+
+def test_options_carry_the_host_share_learned_from_dormant_steps():
+    """A host-bound engine (the demo pair on the H200) with every row dormant: depth 0 never runs, so its
+    cost stays at its replay (0.21 ms), as do the chains' (0.40 / 0.48 / 0.60), while the dormant step runs
+    online at 0.52 ms (0.21 at start-up: 0.31 ms of host work a step). Priced at replays alone, against a
+    dormant step capped at depth 0's replay (4.8 tokens a ms), no chain pays (at acceptance 0.7 / 0.5 / 0.4:
+    1.7 / 0.40 = 4.3, 2.05 / 0.48 = 4.3, 2.19 / 0.60 = 3.7 a ms). Online each step carries the host's 0.31
+    ms as well (a chain of two: 2.05 / 0.79 = 2.6 a ms against the dormant step's 1.9): with depth 0 and
+    every option carrying the share learned from dormant steps, drafting is kept and new requests draft."""
+    tables = {32: [0.21, 0.40, 0.48, 0.60]}
+    rows = [f"r{i}" for i in range(32)]
+    p = policy_with_costs(tables, probe_every=10**9)
+    p.observe_dormant_time(32, 0.21, weight=1.0)
+    for _ in range(400):
+        p.observe_dormant_time(32, 0.52)
+    teach(p, [0.7, 0.5, 0.4], steps=400)
+    host = p.dormant_cost_ms[32] - 0.21
+    assert 0.30 < host < 0.32
+    assert p.depth0_ms(32) == pytest.approx(0.21 + host)
+    assert p.dormant_step_ms(32, 0.21) == pytest.approx(p.dormant_cost_ms[32])
+    assert p.demote(rows, 32) == [] and not p.admit("new", 32)
+    # Negative control: the same tables where online steps take no longer than their replays: dormant.
+    q = policy_with_costs(tables, probe_every=10**9)
+    q.observe_dormant_time(32, 0.21, weight=1.0)
+    for _ in range(400):
+        q.observe_dormant_time(32, 0.21)
+    teach(q, [0.7, 0.5, 0.4], steps=400)
+    assert q.demote(rows, 32) == rows and q.admit("new", 32)
 
 
 def test_a_dormant_steps_first_online_timing_is_replaced_where_nothing_was_timed_at_start_up():

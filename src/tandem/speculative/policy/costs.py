@@ -106,24 +106,45 @@ class CostTables:
         return costs
 
     def _floored_costs(self, table) -> dict[DraftShape, float]:
-        """Each option's cost at this table, a drafting option's at no less than its start-up timing (a graph
-        replay: device work alone) plus what depth 0's online cost adds to depth 0's own start-up timing (the
-        host's work, which a drafting step does all of and more). Every option must be timed.
+        """Each option's cost at this table at no less than its start-up timing (a graph replay: device work
+        alone) plus the host's share of a step (`_host_shares`), which every step carries online and a
+        drafting step all of and more; depth 0's as `depth0_ms`. Every option must be timed.
 
         Options that seldom run keep costs from their replays or from another stretch of the host, while depth
-        0 and the dormant step are timed all along: on a host-bound engine such a cost reads cheaper than the
-        option is, and keeps requests drafting that would decode faster dormant."""
+        0 or the dormant step is timed all along: on a host-bound engine such a cost reads cheaper than the
+        option is, and keeps requests drafting that would decode faster dormant; and where every row is
+        dormant, options priced at their replays alone against the dormant step's online time read dearer
+        than they are, and keep drafting from starting where it would pay."""
         costs = {shape: self.cost_ms[(table, shape)] for shape in self.options}
-        depth0 = self.options[0]
-        depth0_startup = self._startup_ms.get((table, depth0))
-        if depth0_startup is None:
-            return costs  # (nothing replayed at start-up: every cost is an online one)
-        host = max(0.0, costs[depth0] - depth0_startup)
+        host = max(self._host_shares(table))
         for shape in self.options[1:]:
             startup = self._startup_ms.get((table, shape))
             if startup is not None:
                 costs[shape] = max(costs[shape], startup + host)
+        costs[self.options[0]] = self.depth0_ms(table)
         return costs
+
+    def depth0_ms(self, table) -> float:
+        """Depth 0's cost at this table; never timed online, its start-up timing plus the dormant step's host
+        share (`_host_shares`): where every row is dormant depth 0 does not run, and its replay alone would
+        price it, and a dormant step capped at it, at device time alone."""
+        key = (table, self.options[0])
+        ms = self.cost_ms[key]
+        if key in self._startup_ms and self._time_seen.get(key, 0) <= TRUSTED_OBSERVATIONS:
+            ms = max(ms, self._startup_ms[key] + self._host_shares(table)[1])
+        return ms
+
+    def _host_shares(self, table) -> tuple[float, float]:
+        """What online steps take beyond their graph replay at this table, the host's share (launches,
+        scheduling, results): as depth 0's online cost exceeds its start-up timing, and as the dormant
+        step's (plain decoding's) does. 0 for either not both replayed at start-up and timed online."""
+        depth0 = (table, self.options[0])
+        depth0_share = self.cost_ms[depth0] - self._startup_ms[depth0] if depth0 in self._startup_ms else 0.0
+        dormant_share = 0.0
+        startup = self._dormant_startup_ms.get(table)
+        if startup is not None and self._dormant_timed.get(table, 0) >= 2:  # (its warm-up, then a real step)
+            dormant_share = self._dormant_own_ms(table, startup) - startup
+        return max(0.0, depth0_share), max(0.0, dormant_share)
 
     def _refresh(self, table, best: DraftShape, rate) -> DraftShape:
         """The option to run in place of `best` to re-time it: the best-rated one within REFRESH_MARGIN

@@ -222,22 +222,27 @@ class Dormancy:
         self.dormant_cost_ms[table] = old + w * (min(ms, OUTLIER_RATIO * old) - old)
 
     def dormant_step_ms(self, table, untimed: float) -> float:
-        """What a step of dormant rows alone costs at this batch as the choice counts it, at no more than a
-        depth-0 step's cost there (it does a subset of that step's work: no draft features kept, nothing
-        deferred). Its online timing, at no more than its start-up timing once DORMANT_STALE_STEPS of the
-        policy's steps passed there since it was last timed online; never timed online, its start-up timing
-        scaled as depth 0's online cost has moved from depth 0's own (`_scaled_startup_dormant_ms`); `untimed`
-        where it was never timed at all. `table`: padded batch and sampling mode (`cost_table`)."""
-        depth0 = self.cost_ms.get((table, self.options[0]))
+        """What a step of dormant rows alone costs at this batch as the choice counts it (`_dormant_own_ms`),
+        at no more than a depth-0 step's cost there with the host's share (it does a subset of that step's
+        work: no draft features kept, nothing deferred); `untimed` where it was never timed at all. `table`:
+        padded batch and sampling mode (`cost_table`)."""
+        ms = self._dormant_own_ms(table, untimed)
+        return min(ms, self.depth0_ms(table)) if (table, self.options[0]) in self.cost_ms else ms
+
+    def _dormant_own_ms(self, table, untimed: float) -> float:
+        """The dormant step's own timing: online, at no more than its start-up timing once DORMANT_STALE_STEPS
+        of the policy's steps passed there since it was last timed online; never timed online, its start-up
+        timing scaled as depth 0's online cost has moved from depth 0's own (`_scaled_startup_dormant_ms`);
+        `untimed` where it was never timed at all."""
         ms = self.dormant_cost_ms.get(table)
         startup, timed_at = self._dormant_startup_ms.get(table), self._dormant_timed_at.get(table)
         if ms is None:
-            ms = untimed
-        elif timed_at is None:  # (start-up timing alone)
-            ms = self._scaled_startup_dormant_ms(table)
-        elif startup is not None and self._steps.get(table, 0) - timed_at >= DORMANT_STALE_STEPS:
-            ms = min(ms, startup)
-        return ms if depth0 is None else min(ms, depth0)
+            return untimed
+        if timed_at is None:  # (start-up timing alone)
+            return self._scaled_startup_dormant_ms(table)
+        if startup is not None and self._steps.get(table, 0) - timed_at >= DORMANT_STALE_STEPS:
+            return min(ms, startup)
+        return ms
 
     def _scaled_startup_dormant_ms(self, table) -> float:
         """The dormant step's start-up timing times depth 0's online cost over depth 0's start-up timing: online
