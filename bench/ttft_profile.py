@@ -3,7 +3,8 @@
 For each mode it builds the engine as `tandem bench` does (random weights, synthetic acceptance for
 speculation, at the fixed depth of a chain of 3), warms up, then runs single requests and records, for the steps up to the first token:
 the wall time of each `engine.step()` (host), and under the torch profiler the GPU kernels that ran
-(busy time, top kernels). The JSON says how much of the TTFT is GPU work and how much the host.
+(busy time, top kernels), and for one more request every call that made the host wait for the device
+(torch's sync debug mode). The JSON says how much of the TTFT is GPU work and how much the host.
 
 python bench/ttft_profile.py --preset llama-3.1-8b --out ttft.json
 """
@@ -59,9 +60,38 @@ def kernel_table(prof, top):
     return busy, [{"kernel": k, "count": c, "ms": round(ms, 3)} for k, c, ms in rows[:top]]
 
 
+def host_syncs(engine, prompt, output_len):
+    """Where one request's steps up to its first token make the host wait for the device: torch's
+    sync debug mode warns at each synchronising call; each warning's innermost tandem frames."""
+    import traceback
+    import warnings
+
+    found = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                  if os.sep + "tandem" + os.sep in f.filename]
+        found.append({"warning": str(message)[:80], "frames": frames[-3:]})
+
+    sync()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            engine.add_request(prompt, SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
+            while not any(d.new_token_ids for d in engine.step().deltas):
+                pass
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step()
+    return found
+
+
 def profile_mode(kw, synthetic_p, input_len, output_len, top):
     engine = Engine(**kw)
-    prompts = random_prompts(6, input_len, engine.arch.vocab_size, seed=3)
+    prompts = random_prompts(7, input_len, engine.arch.vocab_size, seed=3)
     if synthetic_p is not None:
         synthetic.install(engine, synthetic_p, seed=0)
     try:
@@ -74,7 +104,8 @@ def profile_mode(kw, synthetic_p, input_len, output_len, top):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             walls, first_ms = steps_to_first_token(engine, prompts[5], 2)
         busy, kernels = kernel_table(prof, top)
-        return {"ttft_ms": [round(r[1], 3) for r in runs], "step_wall_ms": [r[0] for r in runs],
+        syncs = host_syncs(engine, prompts[6], output_len) if torch.cuda.is_available() else []
+        return {"host_syncs_to_first_token": syncs, "ttft_ms": [round(r[1], 3) for r in runs], "step_wall_ms": [r[0] for r in runs],
                 "profiled_ttft_ms": round(first_ms, 3), "profiled_step_wall_ms": walls,
                 "gpu_busy_ms_to_first_token_and_one_more": round(busy, 3), "top_kernels": kernels}
     finally:
@@ -120,6 +151,8 @@ def main():
                       f"GPU busy {r['gpu_busy_ms_to_first_token_and_one_more']} ms")
                 for k in r["top_kernels"]:
                     print(f"   {k['ms']:8.3f} ms {k['count']:5d}x  {k['kernel']}")
+                for sync_point in r["host_syncs_to_first_token"]:
+                    print("   host waits:", " <- ".join(reversed(sync_point["frames"])), "|", sync_point["warning"])
     if ns.out:
         report.write_json(result, ns.out)
 
