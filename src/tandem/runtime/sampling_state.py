@@ -63,18 +63,20 @@ class SamplingState:
 
     def admit(self, row: int, params: SamplingParams, seed: int, num_prompt: int = 0,
               suppress_ids: tuple[int, ...] = ()) -> None:
-        """Writes a request's parameters into its row (scalar fills: no host sync) and clears its counts."""
+        """Writes a request's parameters into its row and clears its counts. Each value is a fill kernel's
+        argument: `t[row] = value` copies it from pageable host memory, which waits for the device's queue
+        (measured: ten such waits per admission, so a new request stalled the host behind the step in flight)."""
         # float(): a Python int such as 10**30 is a valid temperature but no int64 holds it.
         values = dict(temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
                       min_p=float(params.min_p), seed=seed, repetition_penalty=float(params.repetition_penalty),
                       frequency_penalty=float(params.frequency_penalty),
                       presence_penalty=float(params.presence_penalty))
         for name in _FIELDS:
-            getattr(self, name)[row] = values[name]
+            getattr(self, name)[row].fill_(values[name])
         if params.needs_penalties:
             self.allocate_penalty_tables()
-        self.min_tokens[row] = params.min_tokens
-        self.num_prompt[row] = num_prompt
+        self.min_tokens[row].fill_(params.min_tokens)
+        self.num_prompt[row].fill_(num_prompt)
         if self.output_counts is not None:
             self.output_counts[row].zero_()
             self.prompt_mask[row].zero_()
