@@ -379,3 +379,19 @@ def test_sampled_requests_are_judged_at_their_own_acceptance(spec_models, monkey
         # (sampled?, admitted dormant?) per request, in prompt order: greedy ones dormant, sampled ones drafting.
         assert [admitted[o.request_id] for o in outs] == [(False, True), (True, False), (False, True), (True, False)]
         assert e.scheduler.allocator.num_free + e.scheduler.allocator.num_cached == e.scheduler.allocator.num_total
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_start_up_timing_of_the_draft_prefill_leaves_output_unchanged(spec_models, reference, kind):
+    """The start-up timing of the draft's prefill (a GPU engine runs it once its graphs are captured) writes
+    draft KV into the first pages: nobody's before the engine serves, and the requests after it decode as
+    plain greedy decoding does. It leaves the policy a call's fixed part, from the line through two sizes."""
+    alg = "STANDALONE" if kind == "SELF" else kind
+    with Engine(spec_models["target"], speculative_algorithm=alg, speculative_draft_model_path=spec_models[kind],
+                **CHAIN, **ENGINE) as e:
+        e.runner.spec._time_draft_prefill(sizes=(8, 40), repeats=1)
+        prefill_cost = e.runner.spec.policy._draft_prefill
+        assert prefill_cost.fixed_ms is not None and prefill_cost.fixed_ms >= 0.0
+        assert prefill_cost.ms_per_token() >= 0.0
+        outs = e.generate(input_ids=PROMPTS, sampling_params=greedy())
+    assert [o.token_ids for o in outs] == reference

@@ -790,6 +790,32 @@ def test_the_prefill_charge_is_what_a_prompt_token_adds_not_a_calls_fixed_part()
     assert not p.admit("keeps its draft", 32, prompt_tokens=128, max_new_tokens=96)
 
 
+def test_a_start_up_timing_of_the_draft_prefill_keeps_calls_of_one_size_from_charging_a_burst():
+    """The demo pair on an H200: single requests only (128-token calls of 3.1 ms each, a host-bound eager
+    prefill) tell nothing of how the time splits into a call's fixed part and a part per token, so the mean
+    rate (0.024 ms a token) stood in, and a burst of 32 owed 32 * 128 * 0.024 / 96 = 1.03 ms a step, more
+    than its step (0.64 ms): it was admitted dormant, and no draft prefill ran to correct that. Timed at
+    start-up at 16 and 512 tokens (3.0 and 3.2 ms: a fixed part of 2.99 ms, 4.0e-4 ms a token), each online
+    call's time beyond the fixed part is its per-token part: the burst owes 0.017 ms a step, and drafts."""
+    tables = {32: [0.66, 0.89, 0.96, 1.03]}
+    p = policy_with_costs(tables, probe_every=10**9)
+    p.observe_draft_prefill_startup([(16, 3.0), (512, 3.2)])
+    set_acceptance(p, [0.82, 0.6, 0.37])
+    slope = 0.2 / 496
+    for _ in range(30):
+        p.observe_draft_prefill(128, 3.0 + 128 * slope - 16 * slope)
+    assert p.draft_prefill_ms_per_token == pytest.approx(slope, rel=1e-3)
+    assert p.prefill_share_ms(32, 128, 96) == pytest.approx(32 * 128 * slope / 96, rel=1e-3)
+    assert not p.admit("keeps its draft", 32, prompt_tokens=128, max_new_tokens=96)
+    # The same calls with no start-up timing: the mean rate, a share past the step, and dormant.
+    q = policy_with_costs(tables, probe_every=10**9)
+    set_acceptance(q, [0.82, 0.6, 0.37])
+    for _ in range(30):
+        q.observe_draft_prefill(128, 3.0 + 128 * slope - 16 * slope)
+    assert q.prefill_share_ms(32, 128, 96) > 1.0
+    assert q.admit("dormant", 32, prompt_tokens=128, max_new_tokens=96)
+
+
 def test_a_dormant_cost_not_timed_for_a_while_counts_at_no_more_than_its_start_up_timing():
     """Demo pair, batch 8, H200: a chain of one replays in 0.514 ms and position 1 is accepted about 95% of
     the time; dormant steps timed 0.1 ms at start-up but 0.5 ms online in a slow stretch of the host, so

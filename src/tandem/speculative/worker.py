@@ -199,10 +199,36 @@ class SpecWorker:
             self.catch_up_ms[bs] = _replay_ms(graph, replays)
             # (depth 0's share of it, before any catch-up runs)
             self.policy.observe_catch_up(bs, self.catch_up_ms[bs] / self.pool.catch_up_window)
+        self._time_draft_prefill()
         torch.cuda.synchronize(self.runner.device)
         timed = len(graphs) + len(dormant_graphs) + (catch_up_graph is not None)
         logger.info("adaptive speculation: timed %d graphs at up to %d batch sizes in %.1f s", timed, len(sizes),
                     time.perf_counter() - started)
+
+    def _time_draft_prefill(self, sizes=(16, 512), repeats=3) -> None:
+        """The draft's prefill timed at two sizes (the faster of `repeats` calls each) on the first pages, which
+        hold nobody's KV before the engine serves; the policy keeps the line's intercept as the fixed part
+        of a call (speculative/prefill_cost.py)."""
+        ps, feature_size = self.runner.page_size, self.runner._draft_feature_size(self.drafter.model)
+        calls = []
+        for n in sizes:
+            pages = tuple(range(-(-(n + 1) // ps)))
+            if len(pages) > self.runner.num_pages:
+                return
+            features = (torch.zeros(n, feature_size, dtype=self.runner.dtype, device=self.runner.device)
+                        if self.drafter.model.token_offset else None)
+            feed = PrefillFeed(slot=0, token_ids=[0] * n, first_token_index=1, features=features, page_ids=pages,
+                               final=False)
+            times = []
+            for _ in range(repeats):
+                timer = DraftPrefillTimer(self.runner.device, n)
+                self.drafter.prefill([feed], None, {})
+                timer.stop()
+                if timer.cuda:
+                    timer.end.synchronize()
+                times.append(timer.elapsed_ms())
+            calls.append((n, min(times)))
+        self.policy.observe_draft_prefill_startup(calls)
 
     def padded_batch(self, b: int) -> int:
         graph = self.phases.graphs.get("verify")

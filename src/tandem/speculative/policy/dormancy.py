@@ -188,6 +188,10 @@ class Dormancy:
         """What one more prompt token adds to the draft's prefill (speculative/prefill_cost.py)."""
         return self._draft_prefill.ms_per_token()
 
+    def observe_draft_prefill_startup(self, calls: list[tuple[int, float]]) -> None:
+        """Start-up timing of draft prefill calls, (tokens, ms) at two sizes or more."""
+        self._draft_prefill.observe_startup(calls)
+
     def observe_draft_prefill(self, tokens: int, ms: float) -> None:
         """One step's draft prefill: `ms` for `tokens` prompt tokens."""
         self._draft_prefill.observe(tokens, ms)

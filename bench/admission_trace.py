@@ -1,0 +1,89 @@
+"""Why the adaptive policy admits requests dormant: every admission's inputs and answer, for the demo pair.
+
+python bench/admission_trace.py --batch-sizes 1 8 32 --runs 3 --out admissions.json
+
+Builds the adaptive engine as bench/sampling_bench.py does (EAGLE-3 chain of 3, CUDA graphs, overlap), runs
+greedy batches of random prompts, and records at each admission (`DepthPolicy.admit`) the cost table the
+decision saw (each option's cost with the host's share, the dormant step's, depth 0's), the engine-wide
+acceptance as estimated and as optimism allows, the draft prefill's share, and the answer.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from tandem import Engine  # noqa: E402
+from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
+from tandem.demo import demo_model_paths  # noqa: E402
+from tandem.speculative.policy import cost_table, expected_by_depth  # noqa: E402
+
+
+def traced(policy, log):
+    real_admit = policy.admit
+
+    def admit(request_id, padded_batch, prompt_tokens=0, max_new_tokens=0, sampled=False, finish_together=False,
+              mode="greedy"):
+        table = cost_table(padded_batch, mode)
+        entry = {"batch": padded_batch, "sampled": sampled, "finish_together": finish_together}
+        if all((table, s) in policy.cost_ms for s in policy.options):
+            costs = policy._floored_costs(table)
+            entry["costs_ms"] = {s.name: round(ms, 4) for s, ms in costs.items()}
+            entry["raw_costs_ms"] = {s.name: round(policy.cost_ms[(table, s)], 4) for s in policy.options}
+            entry["host_shares_ms"] = [round(x, 4) for x in policy._host_shares(table)]
+            entry["dormant_step_ms"] = round(policy.dormant_step_ms(table, costs[policy.options[0]]), 4)
+        cls = policy.rates_by_class[sampled]
+        entry["acceptance"] = [round(a, 3) for a in cls.effective()]
+        entry["seen"] = list(cls.seen)
+        entry["expected"] = [round(e, 3) for e in expected_by_depth(cls.effective())]
+        entry["optimistic"] = [round(a, 3) for a in policy.optimistic_acceptance(sampled)]
+        entry["upkeep_ms"] = round(policy.prefill_share_ms(padded_batch, prompt_tokens, max_new_tokens), 4)
+        answer = real_admit(request_id, padded_batch, prompt_tokens, max_new_tokens, sampled, finish_together, mode)
+        entry["dormant"] = answer
+        log.append(entry)
+        return answer
+
+    policy.admit = admit
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    target, head = demo_model_paths()
+    max_bs = max(ns.batch_sizes)
+    context = ns.input_len + ns.output_len + 16
+    engine = Engine(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                    speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                    max_running_requests=max_bs, context_length=context, max_total_tokens=max_bs * (context + 64),
+                    cuda_graph_max_bs=max_bs)
+    log = []
+    traced(engine.runner.spec.policy, log)
+    runs = []
+    try:
+        for b in ns.batch_sizes:
+            prompts = random_prompts(b, ns.input_len, engine.arch.vocab_size, seed=0)
+            for i in range(ns.runs):
+                start = len(log)
+                metrics, _ = run_batch(engine, prompts, ns.output_len)
+                admitted = log[start:]
+                runs.append({"batch": b, "run": i, "iteration_ms": metrics.iteration_ms,
+                             "steps_by_depth": metrics.steps_by_depth, "dormant": sum(e["dormant"] for e in admitted),
+                             "first_admission": admitted[0] if admitted else None})
+                print(json.dumps(runs[-1]), flush=True)
+    finally:
+        engine.shutdown()
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump({"tool": "bench/admission_trace.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "command": "python " + " ".join(sys.argv), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
