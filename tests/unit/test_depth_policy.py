@@ -873,6 +873,35 @@ def test_options_carry_the_host_share_learned_from_dormant_steps():
     assert q.demote(rows, 32) == rows and q.admit("new", 32)
 
 
+def test_a_first_burst_at_a_batch_size_borrows_the_host_share_of_a_smaller_one():
+    """The demo pair on the H200: batches of 8 ran dormant online at 0.52 ms a step against a 0.15 ms replay
+    (0.37 ms of host work), and the first burst of 32 arrives, where nothing has run online: replays put depth
+    0 and the dormant step at 0.197 ms and the chains at 0.35 / 0.42 / 0.50; each request's draft prefill
+    costs its batch 0.064 ms a step (32 rows x 128 prompt tokens x 0.001 ms over 64 new tokens). At replays
+    alone the dormant step saves 1 / (0.197 - 0.064) = 7.5 tokens a ms against the chain of three's 2.952 /
+    0.50 = 5.9, and the request is admitted dormant. With batch 8's share the dormant step costs 0.567 and
+    the chain 0.87 ms: 1.99 against 3.39 tokens a ms, and it keeps its draft."""
+    def burst_after_batches_of_8(online_ms):
+        p = policy_with_costs({8: [0.15, 0.30, 0.35, 0.42], 32: [0.197, 0.35, 0.42, 0.50]}, probe_every=10**9)
+        p.observe_dormant_time(8, 0.15, weight=1.0)
+        p.observe_dormant_time(32, 0.197, weight=1.0)
+        for _ in range(400):
+            p.observe_dormant_time(8, online_ms)
+        p.observe_draft_prefill_startup([(16, 0.516), (512, 1.012)])
+        set_acceptance(p, [0.8, 0.8, 0.8])
+        return p
+    p = burst_after_batches_of_8(0.52)
+    assert p.host_share_elsewhere(32) == pytest.approx(0.37, abs=1e-3)
+    assert p.dormant_step_ms(32, untimed=0.0) == pytest.approx(0.567, abs=1e-3)
+    assert p.prefill_share_ms(32, 128, 64) == pytest.approx(0.064, abs=1e-3)
+    assert not p.admit("keeps its draft", 32, prompt_tokens=128, max_new_tokens=64)
+    assert p.host_share_elsewhere(8) == 0.0  # (only a smaller batch's share is a lower bound)
+    # Negative control: batches of 8 that ran online as fast as their replays lend no share: dormant.
+    q = burst_after_batches_of_8(0.15)
+    assert q.host_share_elsewhere(32) == pytest.approx(0.0, abs=1e-9)
+    assert q.admit("dormant", 32, prompt_tokens=128, max_new_tokens=64)
+
+
 def test_a_dormant_steps_first_online_timing_is_replaced_where_nothing_was_timed_at_start_up():
     """Where nothing was timed at start-up (a CPU), the dormant step's first online time is its warm-up (40
     ms): the second (12) replaces it, then the mean of the steps so far (12.25, then 12.0). Where the start-up

@@ -137,14 +137,36 @@ class CostTables:
     def _host_shares(self, table) -> tuple[float, float]:
         """What online steps take beyond their graph replay at this table, the host's share (launches,
         scheduling, results): as depth 0's online cost exceeds its start-up timing, and as the dormant
-        step's (plain decoding's) does. 0 for either not both replayed at start-up and timed online."""
+        step's (plain decoding's) does. 0 for either not both replayed at start-up and timed online, but the
+        dormant step's borrowed from a smaller batch where neither ran online here (`host_share_elsewhere`)."""
         depth0 = (table, self.options[0])
         depth0_share = self.cost_ms[depth0] - self._startup_ms[depth0] if depth0 in self._startup_ms else 0.0
-        dormant_share = 0.0
-        startup = self._dormant_startup_ms.get(table)
-        if startup is not None and self._dormant_timed.get(table, 0) >= 2:  # (its warm-up, then a real step)
-            dormant_share = self._dormant_own_ms(table, startup) - startup
+        dormant_share = self._dormant_host_share(table)
+        if dormant_share is None:  # (and where depth 0 has not run online here either, another table's)
+            dormant_share = self.host_share_elsewhere(table) if depth0_share <= 0.0 else 0.0
         return max(0.0, depth0_share), max(0.0, dormant_share)
+
+    def _dormant_host_share(self, table) -> float | None:
+        """The dormant step's online time over its start-up timing at this table; None unless both exist."""
+        startup = self._dormant_startup_ms.get(table)
+        if startup is None or self._dormant_timed.get(table, 0) < 2:  # (its warm-up, then a real step)
+            return None
+        return self._dormant_own_ms(table, startup) - startup
+
+    def host_share_elsewhere(self, table) -> float:
+        """For a table where neither depth 0 nor the dormant step has run online (a batch size's first burst):
+        the dormant step's host share at the nearest smaller padded batch of the same sampling mode that has
+        one; 0 where none has. The host's work a step (launches, scheduling, the results' copy) grows with the
+        batch, so a smaller batch's share is a lower bound; without it a first burst weighs its draft
+        prefill's online time against a dormant step at device time alone, and admits every request dormant."""
+        mode, rows = (None, table) if isinstance(table, int) else table
+        shares = {}
+        for other in self._dormant_startup_ms:
+            other_mode, other_rows = (None, other) if isinstance(other, int) else other
+            share = self._dormant_host_share(other) if other_mode == mode and other_rows < rows else None
+            if share is not None:
+                shares[other_rows] = share
+        return max(0.0, shares[max(shares)]) if shares else 0.0
 
     def _refresh(self, table, best: DraftShape, rate) -> DraftShape:
         """The option to run in place of `best` to re-time it: the best-rated one within REFRESH_MARGIN

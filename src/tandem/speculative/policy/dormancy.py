@@ -19,7 +19,8 @@ import math
 import sys
 
 from tandem.speculative.policy.acceptance import REQUEST_EVIDENCE_Z, expected_by_depth, wilson_interval
-from tandem.speculative.policy.costs import GREEDY_MODE, OUTLIER_RATIO, REFRESH_EVERY, _rows, cost_table
+from tandem.speculative.policy.costs import (GREEDY_MODE, OUTLIER_RATIO, REFRESH_EVERY, TRUSTED_OBSERVATIONS, _rows,
+                                            cost_table)
 
 # One request in this many, at least, keeps its draft while others are admitted dormant, so acceptance stays
 # measured; a rarer sentinel only delays noticing a rise, and each costs its batch the drafts' upkeep. Read
@@ -250,9 +251,13 @@ class Dormancy:
 
     def _scaled_startup_dormant_ms(self, table) -> float:
         """The dormant step's start-up timing times depth 0's online cost over depth 0's start-up timing: online
-        steps carry the host's work, which a graph replay does not. As it is where depth 0 has no start-up timing."""
+        steps carry the host's work, which a graph replay does not. Where depth 0 has not run online here either,
+        its start-up timing plus the host's share at another batch size (`host_share_elsewhere`); as it is where
+        depth 0 has no start-up timing."""
         key = (table, self.options[0])
         startup, depth0_startup = self._dormant_startup_ms[table], self._startup_ms.get(key)
         if not depth0_startup:
             return startup
+        if self._time_seen.get(key, 0) <= TRUSTED_OBSERVATIONS:
+            return startup + self.host_share_elsewhere(table)
         return startup * self.cost_ms[key] / depth0_startup
