@@ -4,7 +4,7 @@ python bench/admission_trace.py --batch-sizes 1 8 32 --runs 3 --out admissions.j
 
 Builds the adaptive engine as bench/sampling_bench.py does (EAGLE-3 chain of 3, CUDA graphs, overlap), runs
 greedy batches of random prompts, and records at each admission (`DepthPolicy.admit`) the cost table the
-decision saw (each option's cost with the host's share, the dormant step's, depth 0's), the engine-wide
+decision saw (each option's cost floored at the host-bound step's, the dormant step's, depth 0's), the engine-wide
 acceptance as estimated and as optimism allows, the draft prefill's share, and the answer.
 """
 
@@ -32,7 +32,7 @@ def traced(policy, log):
             costs = policy._floored_costs(table)
             entry["costs_ms"] = {s.name: round(ms, 4) for s, ms in costs.items()}
             entry["raw_costs_ms"] = {s.name: round(policy.cost_ms[(table, s)], 4) for s in policy.options}
-            entry["host_shares_ms"] = [round(x, 4) for x in policy._host_shares(table)]
+            entry["host_bound_ms"] = round(policy.host_bound_ms(table), 4)
             entry["dormant_step_ms"] = round(policy.dormant_step_ms(table, costs[policy.options[0]]), 4)
         cls = policy.rates_by_class[sampled]
         entry["acceptance"] = [round(a, 3) for a in cls.effective()]

@@ -849,9 +849,9 @@ def test_options_carry_the_host_share_learned_from_dormant_steps():
     cost stays at its replay (0.21 ms), as do the chains' (0.40 / 0.48 / 0.60), while the dormant step runs
     online at 0.52 ms (0.21 at start-up: 0.31 ms of host work a step). Priced at replays alone, against a
     dormant step capped at depth 0's replay (4.8 tokens a ms), no chain pays (at acceptance 0.7 / 0.5 / 0.4:
-    1.7 / 0.40 = 4.3, 2.05 / 0.48 = 4.3, 2.19 / 0.60 = 3.7 a ms). Online each step carries the host's 0.31
-    ms as well (a chain of two: 2.05 / 0.79 = 2.6 a ms against the dormant step's 1.9): with depth 0 and
-    every option carrying the share learned from dormant steps, drafting is kept and new requests draft."""
+    1.7 / 0.40 = 4.3, 2.05 / 0.48 = 4.3, 2.19 / 0.60 = 3.7 a ms). Online no step runs faster than the
+    dormant step's 0.52 ms of host work (a chain of two: 2.05 / 0.52 = 3.9 a ms at most, against the dormant
+    step's 1.9): with depth 0 and every option floored there, drafting is kept and new requests draft."""
     tables = {32: [0.21, 0.40, 0.48, 0.60]}
     rows = [f"r{i}" for i in range(32)]
     p = policy_with_costs(tables, probe_every=10**9)
@@ -879,8 +879,8 @@ def test_a_first_burst_at_a_batch_size_borrows_the_host_share_of_a_smaller_one()
     0 and the dormant step at 0.197 ms and the chains at 0.35 / 0.42 / 0.50; each request's draft prefill
     costs its batch 0.064 ms a step (32 rows x 128 prompt tokens x 0.001 ms over 64 new tokens). At replays
     alone the dormant step saves 1 / (0.197 - 0.064) = 7.5 tokens a ms against the chain of three's 2.952 /
-    0.50 = 5.9, and the request is admitted dormant. With batch 8's share the dormant step costs 0.567 and
-    the chain 0.87 ms: 1.99 against 3.39 tokens a ms, and it keeps its draft."""
+    0.50 = 5.9, and the request is admitted dormant. With batch 8's share the dormant step costs 0.567, and
+    so does the chain at least: 1.99 against 5.2 tokens a ms, and it keeps its draft."""
     def burst_after_batches_of_8(online_ms):
         p = policy_with_costs({8: [0.15, 0.30, 0.35, 0.42], 32: [0.197, 0.35, 0.42, 0.50]}, probe_every=10**9)
         p.observe_dormant_time(8, 0.15, weight=1.0)
@@ -1002,33 +1002,62 @@ def test_a_batch_job_is_judged_by_what_its_size_made_before():
     assert not job.admit("alone again", 1, finish_together=True)
 
 
-def test_a_drafting_cost_from_its_replay_carries_the_hosts_share_of_depth_0():
+def test_a_drafting_cost_from_its_replay_is_floored_at_the_host_bound_step_until_it_runs_online():
     """Start-up timings at batch 32 (the demo pair's graph replays on an H200): 0.2145 / 0.4466 / 0.4997 /
     0.6001 ms at depth 0..3. Online, depth 0 and the dormant step take 0.6600 ms (the host's work, which a
     replay leaves out); the chains never ran online. Sampled requests accept a_1 = a_2 = a_3 = 0.2 (settled).
-    Taken at their replays, a chain of one promises 1.2 / 0.4466 = 2.69 tokens per ms against the dormant
-    row's 1 / 0.66 = 1.52: drafting kept. With the host's share of depth 0 (0.66 - 0.2145 = 0.4455) added,
-    chains of one, two and three give 1.2 / 0.8921 = 1.345, 1.24 / 0.9452 = 1.312 and 1.248 / 1.0456 =
-    1.194, all under 1.52: admitted dormant, and a drafting batch chooses depth 0 (1 / 0.66 = 1.52 against at
-    most 1.345 per row). Without start-up timings (a CPU) the online costs stand as they are."""
+    No online step runs faster than the dormant step's host work, so each chain counts at 0.66 ms at least:
+    a chain of one promises 1.2 / 0.66 = 1.82 tokens per ms against the dormant row's 1 / 0.66 = 1.52, and
+    drafting is tried. Once the chains ran online at 0.85 / 0.90 / 0.98 ms (device and host work, and the
+    draft's own host work besides), they give 1.2 / 0.85 = 1.41, 1.24 / 0.90 = 1.38 and 1.248 / 0.98 = 1.27,
+    all under 1.52: admitted dormant, and a drafting batch chooses depth 0."""
     p = policy_with_costs({32: [0.2145, 0.4466, 0.4997, 0.6001]}, probe_every=10**9)
     p.cost_ms[(32, DraftShape(0))] = 0.66  # (as many online steps at 0.66 would leave it)
-    for _ in range(3):
+    p.observe_dormant_time(32, 0.2, weight=1.0)
+    for _ in range(400):
         p.observe_dormant_time(32, 0.66)
     set_acceptance(p, [0.2, 0.2, 0.2], sampled=True)
+    costs = p._floored_costs(32)
+    assert [costs[s] for s in p.options] == pytest.approx([0.66, 0.66, 0.66, 0.66], abs=1e-4)
+    assert not p.admit("tried", 32, sampled=True)
+    for _ in range(400):
+        for shape, ms in zip(p.options[1:], (0.85, 0.90, 0.98)):
+            p.observe_time(32, shape, ms)
     assert p.admit("sampled", 32, sampled=True)
     rows = [f"r{i}" for i in range(32)]
     for rid in rows:
         p.sampled.add(rid)
     assert p.choose(rows, 32) == DraftShape(0)
 
-    online = DepthPolicy(D, tree=False, probe_every=10**9)
-    for shape, ms in zip(online.options, [0.66, 0.4466, 0.4997, 0.6001]):  # (timed online: no floor)
-        online.cost_ms[(32, shape)] = ms
-    for _ in range(3):
-        online.observe_dormant_time(32, 0.66)
-    set_acceptance(online, [0.2, 0.2, 0.2], sampled=True)
-    assert not online.admit("sampled", 32, sampled=True)
+
+def test_the_floor_is_the_longer_of_device_and_host_work_not_their_sum():
+    """The demo pair on the H200, greedy, batch 32: a chain of three replays in 0.6071 ms, a dormant step in
+    0.197 ms and online in 0.742 (0.545 ms of host work); the chain ran online, in a fixed-depth engine, in
+    0.866 ms: device and host work overlap. Greedy requests accept a = 0.35, 0.5, 0.5 (1.6125 tokens at
+    depth 3), and a new request's draft prefill costs its batch 0.1 ms a step (32 rows x 128 tokens x
+    0.00234 ms over 96). Priced at replay plus host share (1.152 ms), the best chain gives 1.525 / 1.055 =
+    1.445 tokens per ms against the dormant step's 1 / (0.742 - 0.1) = 1.558: dormant, where the chain at its
+    real 0.866 ms (1.86 a ms) decodes faster. At the longer of the two (0.742 ms) it drafts, as at 0.866."""
+    def engine(chain_online_ms=None):
+        p = policy_with_costs({32: [0.2465, 0.437, 0.5103, 0.6071]}, probe_every=10**9)
+        p.observe_dormant_time(32, 0.197, weight=1.0)
+        for _ in range(400):
+            p.observe_dormant_time(32, 0.742)
+        p.observe_draft_prefill_startup([(16, 0.5375), (512, 1.7)])
+        set_acceptance(p, [0.35, 0.5, 0.5])
+        if chain_online_ms is not None:
+            for _ in range(400):
+                for shape in p.options[1:]:
+                    p.observe_time(32, shape, chain_online_ms)
+        return p
+    p = engine()
+    assert p.prefill_share_ms(32, 128, 96) == pytest.approx(0.1, abs=1e-3)
+    assert p._floored_costs(32)[p.options[3]] == pytest.approx(0.742, abs=1e-3)
+    assert not p.admit("drafts", 32, prompt_tokens=128, max_new_tokens=96)
+    assert not engine(0.866).admit("drafts", 32, prompt_tokens=128, max_new_tokens=96)
+    # Negative control: where the chains ran online at 1.2 ms (1.525 / 1.2 = 1.27 a ms at best), dormant.
+    slow = engine(1.2)
+    assert slow.admit("dormant", 32, prompt_tokens=128, max_new_tokens=96)
 
 
 def test_each_sampling_mode_is_judged_at_its_own_cost_table():

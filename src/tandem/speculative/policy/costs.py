@@ -107,44 +107,39 @@ class CostTables:
 
     def _floored_costs(self, table) -> dict[DraftShape, float]:
         """Each option's cost at this table at no less than its start-up timing (a graph replay: device work
-        alone) plus the host's share of a step (`_host_shares`), which every step carries online and a
-        drafting step all of and more; depth 0's as `depth0_ms`. Every option must be timed.
+        alone) and the host-bound step's (`host_bound_ms`); depth 0's as `depth0_ms`. Every option must be timed.
 
+        With overlap a step takes about the longer of its device work and its host work, and every step does
+        at least the dormant step's host work: online, an option costs no less than the dormant step does.
         Options that seldom run keep costs from their replays or from another stretch of the host, while depth
         0 or the dormant step is timed all along: on a host-bound engine such a cost reads cheaper than the
-        option is, and keeps requests drafting that would decode faster dormant; and where every row is
-        dormant, options priced at their replays alone against the dormant step's online time read dearer
-        than they are, and keep drafting from starting where it would pay."""
+        option is. (The sum of replay and host share overstates it: a chain of three at batch 32 on the demo
+        pair, replayed in 0.61 ms against a dormant step's 0.74 ms online, 0.55 of it host, ran in 0.87 ms,
+        not 1.15, and the sum kept every request dormant where drafting decoded 1.6x faster.)"""
         costs = {shape: self.cost_ms[(table, shape)] for shape in self.options}
-        host = max(self._host_shares(table))
+        host_bound = self.host_bound_ms(table)
         for shape in self.options[1:]:
             startup = self._startup_ms.get((table, shape))
             if startup is not None:
-                costs[shape] = max(costs[shape], startup + host)
+                costs[shape] = max(costs[shape], startup, host_bound)
         costs[self.options[0]] = self.depth0_ms(table)
         return costs
 
     def depth0_ms(self, table) -> float:
-        """Depth 0's cost at this table; never timed online, its start-up timing plus the dormant step's host
-        share (`_host_shares`): where every row is dormant depth 0 does not run, and its replay alone would
-        price it, and a dormant step capped at it, at device time alone."""
+        """Depth 0's cost at this table; never timed online, at no less than the host-bound step's
+        (`host_bound_ms`): where every row is dormant depth 0 does not run, and its replay alone would price
+        it, and a dormant step capped at it, at device time alone."""
         key = (table, self.options[0])
         ms = self.cost_ms[key]
         if key in self._startup_ms and self._time_seen.get(key, 0) <= TRUSTED_OBSERVATIONS:
-            ms = max(ms, self._startup_ms[key] + self._host_shares(table)[1])
+            ms = max(ms, self.host_bound_ms(table))
         return ms
 
-    def _host_shares(self, table) -> tuple[float, float]:
-        """What online steps take beyond their graph replay at this table, the host's share (launches,
-        scheduling, results): as depth 0's online cost exceeds its start-up timing, and as the dormant
-        step's (plain decoding's) does. 0 for either not both replayed at start-up and timed online, but the
-        dormant step's borrowed from a smaller batch where neither ran online here (`host_share_elsewhere`)."""
-        depth0 = (table, self.options[0])
-        depth0_share = self.cost_ms[depth0] - self._startup_ms[depth0] if depth0 in self._startup_ms else 0.0
-        dormant_share = self._dormant_host_share(table)
-        if dormant_share is None:  # (and where depth 0 has not run online here either, another table's)
-            dormant_share = self.host_share_elsewhere(table) if depth0_share <= 0.0 else 0.0
-        return max(0.0, depth0_share), max(0.0, dormant_share)
+    def host_bound_ms(self, table) -> float:
+        """What the dormant step (plain decoding's) takes online at this table, or is expected to
+        (`_dormant_own_ms`): a step's host work, below which no online step of the table runs. 0 where the
+        dormant step was not replayed at start-up (a CPU: no floors there)."""
+        return self._dormant_own_ms(table, 0.0) if table in self._dormant_startup_ms else 0.0
 
     def _dormant_host_share(self, table) -> float | None:
         """The dormant step's online time over its start-up timing at this table; None unless both exist."""

@@ -228,9 +228,9 @@ class Dormancy:
 
     def dormant_step_ms(self, table, untimed: float) -> float:
         """What a step of dormant rows alone costs at this batch as the choice counts it (`_dormant_own_ms`),
-        at no more than a depth-0 step's cost there with the host's share (it does a subset of that step's
-        work: no draft features kept, nothing deferred); `untimed` where it was never timed at all. `table`:
-        padded batch and sampling mode (`cost_table`)."""
+        at no more than a depth-0 step's cost there (`depth0_ms`: it does a subset of that step's work, no
+        draft features kept, nothing deferred); `untimed` where it was never timed at all. `table`: padded
+        batch and sampling mode (`cost_table`)."""
         ms = self._dormant_own_ms(table, untimed)
         return min(ms, self.depth0_ms(table)) if (table, self.options[0]) in self.cost_ms else ms
 
