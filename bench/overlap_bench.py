@@ -11,7 +11,8 @@ python bench/overlap_bench.py --out overlap.json [--shapes llama-3.2-1b llama-3.
 The floor is the target's weight bytes over --copy-tb-s (4.27 TB/s: the H200's measured device-to-device
 copy bandwidth, docs/performance.md): no decode step can read its weights faster. Each row prints its
 iteration over the floor, kernels per iteration, GPU busy time and the gaps between kernels, so what stands
-between a step and the floor can be read off one table.
+between a step and the floor can be read off one table. The JSON keeps every kernel by name, with its
+launches and GPU time per iteration: a speculative row against the plain one says what drafting adds.
 
 GPU idle = 1 - (union of kernel/memcpy intervals) / (first kernel start .. last kernel end), from the
 torch profiler over a window of decode iterations. Acceptance is whatever random heads give (~1):
@@ -105,7 +106,10 @@ def measure(engine: Engine, batch: int) -> dict:
             "tokens_after": tokens, "cpu_ms_per_iter": cpu,
             "kernels_per_iter": round(sum(e.count for e in kernels) / PROFILE, 1),
             "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
-            "top_gpu_ms_per_iter": [[k[:80], round(v, 4)] for k, v in top]}
+            "top_gpu_ms_per_iter": [[k[:80], round(v, 4)] for k, v in top],
+            # Every kernel: name, launches and ms per iteration (what a speculative step adds over a plain one).
+            "kernels_by_name": sorted(([e.key[:100], round(e.count / PROFILE, 2), round(e.device_time_total / PROFILE / 1e3, 4)]
+                                       for e in kernels), key=lambda row: -row[1])}
 
 
 def _kernel_kind(name: str) -> str:
@@ -211,6 +215,28 @@ def main():
               f" ({r['kernels_per_iter']:.0f} kernels; {kinds}):")
         for name, ms in r["top_gpu_ms_per_iter"]:
             print(f"    {ms:8.3f}  {name}")
+    print_added_kernels(rows)
+
+
+def print_added_kernels(rows: list[dict]) -> None:
+    """For each shape and batch measured both ways, the kernels a default speculative step launches beyond a
+    plain step's, by name: launches and GPU time per iteration, most launches first."""
+    plain = {(r["shape"], r["batch"]): r for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        base = plain.get((r["shape"], r["batch"]))
+        if r["mode"] != "spec" or base is None or not (r["overlap"] and r["plan_stream"]):
+            continue
+        spec_k = {name: (n, ms) for name, n, ms in r["kernels_by_name"]}
+        plain_k = {name: (n, ms) for name, n, ms in base["kernels_by_name"]}
+        added = sorted(((spec_k.get(k, (0, 0))[0] - plain_k.get(k, (0, 0))[0],
+                         spec_k.get(k, (0, 0))[1] - plain_k.get(k, (0, 0))[1], k) for k in set(spec_k) | set(plain_k)),
+                       key=lambda row: -row[0])
+        print(f"kernels a speculative step adds, {r['shape']} B={r['batch']}: "
+              f"{r['kernels_per_iter'] - base['kernels_per_iter']:+.0f} launches, "
+              f"{r['gpu_busy_ms_per_iter'] - base['gpu_busy_ms_per_iter']:+.3f} GPU ms")
+        for n, ms, name in added:
+            if abs(n) >= 0.5:
+                print(f"    {n:+7.1f} {1e3 * ms:+8.1f} us  {name[:90]}")
 
 
 if __name__ == "__main__":
