@@ -19,7 +19,8 @@ def arange(n: int, device: torch.device | str, start: int = 0) -> torch.Tensor:
     cached = _RANGES.get(key)
     if cached is not None:
         return cached
-    r = torch.arange(start, start + n, device=device)
+    with torch.inference_mode(False):  # (an inference tensor may not meet autograd-tracked code outside the mode)
+        r = torch.arange(start, start + n, device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _RANGES[key] = r
     return r
