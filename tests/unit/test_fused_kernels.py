@@ -117,22 +117,3 @@ def test_silu_mul(dtype, inter):
     gate_up = (torch.randn(5, 2 * inter, generator=gen) * 4).to(DEVICE, dtype)
     gate, up = gate_up.split(inter, dim=-1)
     torch.testing.assert_close(fused_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol(dtype))
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_page_slots_against_the_torch_gather(page_size):
-    """Cache slots of positions through page tables: one kernel against the torch formula (gather of the page,
-    clamped at a row's last page entry, times the page size plus the offset), on full, broadcast and
-    single-column positions, past a row's pages included."""
-    gen = torch.Generator().manual_seed(page_size)
-    page_rows = torch.randperm(64, generator=gen)[:30].view(3, 10).to(DEVICE)
-    def reference(positions):
-        pages = page_rows.gather(1, (positions // page_size).clamp(max=page_rows.shape[1] - 1))
-        return pages * page_size + positions % page_size
-    full = torch.randint(0, 12 * page_size, (3, 37), generator=gen).to(DEVICE)
-    wide = torch.arange(2100, device=DEVICE).expand(3, -1)  # (a view with stride 0 over rows, several blocks)
-    single = torch.randint(0, 10 * page_size, (3, 1), generator=gen).to(DEVICE)
-    for positions in (full, wide, single):
-        got = fused_kernels.page_slots(page_rows, positions, page_size)
-        assert got.dtype == torch.int64
-        torch.testing.assert_close(got, reference(positions), atol=0, rtol=0)

@@ -139,27 +139,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), i, BLOCK=block,
                                                      num_warps=4)
     return out
-
-
-@triton.jit
-def _page_slots_kernel(PageRows, Positions, Out, stride_rows, stride_pb, stride_pl, width, num_pages,
-                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    pos = tl.load(Positions + row * stride_pb + cols * stride_pl, mask=ok, other=0)
-    page = tl.load(PageRows + row * stride_rows + tl.minimum(pos // PAGE_SIZE, num_pages - 1), mask=ok, other=0)
-    tl.store(Out + row * width + cols, page * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
-
-
-def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """layers.attention.base.page_slots in one kernel (six in torch): the cache slot of each of `positions`
-    [B, L] (non-negative; broadcast views welcome) in requests whose page tables are `page_rows` [B, P]."""
-    b, width = positions.shape
-    out = torch.empty(b, width, dtype=torch.promote_types(page_rows.dtype, positions.dtype), device=positions.device)
-    if b and width:
-        block = min(1024, triton.next_power_of_2(width))
-        _page_slots_kernel[(b, triton.cdiv(width, block))](
-            page_rows, positions, out, page_rows.stride(0), positions.stride(0), positions.stride(1), width,
-            page_rows.shape[1], PAGE_SIZE=page_size, BLOCK=block)
-    return out

@@ -20,7 +20,6 @@ from tandem.kv_cache import KVCache
 from tandem.layers.attention.base import AttentionBatch, positions_to_slots
 from tandem.models.draft_base import DraftModel
 from tandem.models.llama import StepContext
-from tandem.runtime.device_ranges import arange
 from tandem.runtime.uploads import to_device
 from tandem.speculative import catch_up, plan
 from tandem.speculative.state import SpecStatePool
@@ -164,11 +163,11 @@ class Drafter:
         """Runs the draft over each request's newly verified tokens ([B, Q], padded past accept_lens),
         paired with the target features of the tokens before them ([B, Q, F])."""
         b, q = tokens.shape
-        num_pos = arange(q, tokens.device).expand(b, -1)
+        num_pos = torch.arange(q, device=tokens.device).expand(b, -1)
         positions = (first_pos[:, None] + num_pos).reshape(-1)
         feats = features.reshape(b * q, -1) if features is not None else None
         out = self.model(tokens.clamp(min=0).reshape(-1), positions, feats, self._ctx(metadata), hidden_is_target=True)
-        last = out.view(b, q, -1)[arange(b, tokens.device), accept_lens - 1]  # [B, H]
+        last = out.view(b, q, -1)[torch.arange(b, device=tokens.device), accept_lens - 1]  # [B, H]
         self.pool.draft_entries[slots] = first_pos + accept_lens
         self._store_next(slots, last)
 
@@ -188,7 +187,7 @@ class Drafter:
                  else None)
         out = self.model(pool.lag_tokens[slots, :window].reshape(-1), positions, feats, self._ctx(metadata),
                          hidden_is_target=True)
-        last = out.view(b, window, -1)[arange(b, slots.device), (lag - 1).clamp(min=0)]  # [B, H]
+        last = out.view(b, window, -1)[torch.arange(b, device=slots.device), (lag - 1).clamp(min=0)]  # [B, H]
         lagging = lag > 0
         logp, ids = self._topk(last)
         pool.topk_logp[slots] = torch.where(lagging[:, None], logp, pool.topk_logp[slots])

@@ -15,7 +15,6 @@ import torch
 
 from tandem.layers.attention.base import page_slots
 from tandem.layers.attention.torch_backend import TorchAttentionMetadata
-from tandem.runtime.device_ranges import arange
 
 
 @dataclass
@@ -31,8 +30,8 @@ class VerifyPlan:
 
 def plan_verify(page_rows, seq_lens, num_nodes: int, kv_bound: int, page_size: int) -> VerifyPlan:
     b, device = page_rows.shape[0], page_rows.device
-    kv_pos = arange(kv_bound, device).expand(b, -1)  # [B, L]
-    node_pos = seq_lens[:, None] + arange(num_nodes, device)  # [B, N]
+    kv_pos = torch.arange(kv_bound, device=device).expand(b, -1)  # [B, L]
+    node_pos = seq_lens[:, None] + torch.arange(num_nodes, device=device)  # [B, N]
     prefix = (kv_pos < seq_lens[:, None])[:, None, :].expand(b, num_nodes, kv_bound)
     return VerifyPlan(seq_lens, page_slots(page_rows, node_pos, page_size), node_pos,
                       page_slots(page_rows, kv_pos, page_size), prefix)
@@ -44,7 +43,7 @@ def verify_metadata(plan: VerifyPlan, ancestors: torch.Tensor) -> TorchAttention
     b, n = ancestors.shape[:2]
     mask = plan.prefix_mask.clone()
     mask.scatter_(2, plan.node_cols[:, None, :].expand(b, n, n), ancestors)
-    query_index = arange(b * n, mask.device).view(b, n)
+    query_index = torch.arange(b * n, device=mask.device).view(b, n)
     # Nothing past the last node is visible: backends that read kv_lens stop there.
     kv_lens = (plan.seq_lens + n).clamp(max=plan.kv_slots.shape[1]).to(torch.int32)
     return TorchAttentionMetadata(plan.node_slots.reshape(-1), query_index, None, plan.kv_slots, mask[:, None],
@@ -55,10 +54,10 @@ def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_
     """Causal rows of `num_queries` tokens starting at draft position `first_pos` [B]; padded
     queries past a row's real count compute (and store) values nobody reads."""
     b, device = page_rows.shape[0], page_rows.device
-    q_pos = first_pos[:, None] + arange(num_queries, device)  # [B, Q]
-    kv_pos = arange(kv_bound, device)
+    q_pos = first_pos[:, None] + torch.arange(num_queries, device=device)  # [B, Q]
+    kv_pos = torch.arange(kv_bound, device=device)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
-    query_index = arange(b * num_queries, device).view(b, num_queries)
+    query_index = torch.arange(b * num_queries, device=device).view(b, num_queries)
     kv_lens = (first_pos + num_queries).clamp(max=kv_bound).to(torch.int32)
     return TorchAttentionMetadata(page_slots(page_rows, q_pos, page_size).reshape(-1), query_index, None,
                                   page_slots(page_rows, kv_pos.expand(b, -1), page_size), mask[:, None],
@@ -68,7 +67,7 @@ def extend_metadata(page_rows, first_pos, num_queries: int, kv_bound: int, page_
 def draft_window(page_rows, width: int, page_size: int):
     """[B, width]: the cache slots of draft positions 0..width-1 (for `chain_step_metadata`)."""
     b = page_rows.shape[0]
-    return page_slots(page_rows, arange(width, page_rows.device).expand(b, -1), page_size)
+    return page_slots(page_rows, torch.arange(width, device=page_rows.device).expand(b, -1), page_size)
 
 
 def chain_step_metadata(window, base, depth: int):
@@ -79,10 +78,10 @@ def chain_step_metadata(window, base, depth: int):
     b, width = window.shape
     row_end = base + depth  # [B]
     last = row_end - 1  # this node's position
-    cols = arange(width, window.device)
+    cols = torch.arange(width, device=window.device)
     metadata = TorchAttentionMetadata(
         slot_mapping=window.gather(1, last[:, None]).reshape(-1),
-        query_index=arange(b, window.device).view(b, 1),
+        query_index=torch.arange(b, device=window.device).view(b, 1),
         query_valid=None,
         kv_slots=window,
         mask=(cols[None, :] < row_end[:, None]).view(b, 1, 1, width),
@@ -103,9 +102,9 @@ def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_s
     b, k, d = paths.shape
     device = page_rows.device
     width = kv_bound + d
-    cols = arange(width, device)
+    cols = torch.arange(width, device=device)
     prefix_slots = page_slots(page_rows, cols.clamp(max=kv_bound - 1).expand(b, -1), page_size)  # [B, W]
-    scratch_pos = base[:, None, None] + arange(d, device) * topk + paths  # [B, K, d]
+    scratch_pos = base[:, None, None] + torch.arange(d, device=device) * topk + paths  # [B, K, d]
     scratch_slots = page_slots(page_rows, scratch_pos.reshape(b, k * d), page_size).view(b, k, d)
     j = (cols[None, :] - base[:, None])[:, None, :]  # [B, 1, W]: column's index among the scratch entries
     in_scratch = (j >= 0) & (j < d)
@@ -115,7 +114,7 @@ def draft_step_metadata(page_rows, base, paths, topk: int, kv_bound: int, page_s
     mask = (cols[None, :] < row_end[:, None])[:, None, :].expand(b, k, width)
     metadata = TorchAttentionMetadata(
         slot_mapping=scratch_slots[:, :, -1].reshape(-1),
-        query_index=arange(b * k, device).view(b * k, 1),
+        query_index=torch.arange(b * k, device=device).view(b * k, 1),
         query_valid=None,
         kv_slots=kv_slots.reshape(b * k, width),
         mask=mask.reshape(b * k, 1, 1, width),

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.runtime.device_ranges import arange
-
 
 @dataclass
 class DraftTree:
@@ -70,8 +68,8 @@ def chain_tree(root_tokens: Tensor, draft_tokens: Tensor) -> DraftTree:
     batch, steps = draft_tokens.shape
     device = draft_tokens.device
     tokens = torch.cat([root_tokens[:, None], draft_tokens], dim=1).long()  # [B, S+1]
-    parents = arange(steps + 1, device, start=-1).expand(batch, -1).clone()  # node i's parent is i-1
-    depths = arange(steps + 1, device).expand(batch, -1).clone()
+    parents = torch.arange(-1, steps, device=device).expand(batch, -1).clone()  # node i's parent is i-1
+    depths = torch.arange(steps + 1, device=device).expand(batch, -1).clone()
     return DraftTree(tokens, parents, depths, max_depth=steps, chain=True)
 
 

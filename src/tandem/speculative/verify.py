@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.runtime.device_ranges import arange
 from tandem.speculative.tree import DraftTree
 
 
@@ -95,7 +94,7 @@ def _result(tree: DraftTree, accepted: Tensor, bonus: Tensor) -> AcceptResult:
     # path[b, depth of c] = c for each accepted c; the rest go to a spare column that is dropped.
     path = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
     column = torch.where(accepted, tree.depths, width)  # [B, N]
-    path.scatter_(1, column, arange(num_nodes, device).expand(batch, -1))
+    path.scatter_(1, column, torch.arange(num_nodes, device=device).expand(batch, -1))
     path = path[:, :width]
 
     out_tokens = torch.full((batch, width), -1, dtype=torch.long, device=device)  # [B, D+1]

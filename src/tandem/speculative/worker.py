@@ -41,7 +41,6 @@ from tandem.layers.sampler import (GRAPHED_CONSTRAINED, GRAPHED_GENERAL, GRAPHED
                                    choose_tokens, graph_features, step_mode, token_logprobs)
 from tandem.models.llama import StepContext
 from tandem.runtime import prompt_logprobs
-from tandem.runtime.device_ranges import arange
 from tandem.runtime.sampling_state import SamplingState
 from tandem.runtime.step_result import collect_logprobs
 from tandem.runtime.streams import Edge, StreamSet
@@ -459,7 +458,7 @@ class SpecWorker:
             return None
         b = accept.path.shape[0]
         n = hidden.shape[0] // b  # tree nodes per row
-        rows = accept.path.clamp(min=0) + arange(b, hidden.device)[:, None] * n
+        rows = accept.path.clamp(min=0) + torch.arange(b, device=hidden.device)[:, None] * n
         return feature[rows]
 
     def _dormant(self, request_id: str) -> bool:

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.layers.fused import kernels, use_fused
-
 
 @dataclass
 class AttentionBatch:
@@ -75,10 +73,7 @@ def positions_to_slots(pages, positions, page_size: int) -> list[int]:
 
 
 def page_slots(page_rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Device version: cache slots of `positions` [B, L] (non-negative) for requests whose page tables are
-    `page_rows` [B, P]. On a GPU one fused kernel: a speculative iteration builds five of these."""
-    if use_fused(positions) and positions.dim() == 2 and page_rows.stride(1) == 1:
-        return kernels().page_slots(page_rows, positions, page_size)
+    """Device version: cache slots of `positions` [B, L] for requests whose page tables are `page_rows` [B, P]."""
     pages = page_rows.gather(1, (positions // page_size).clamp(max=page_rows.shape[1] - 1))
     return pages * page_size + positions % page_size
 
