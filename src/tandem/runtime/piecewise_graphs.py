@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tandem.models.llama import LlamaForCausalLM, StepContext, store_slots
+from tandem.models.llama import LlamaForCausalLM, StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -186,4 +186,4 @@ def piecewise_supported(model) -> bool:
     return isinstance(model, LlamaForCausalLM)
 
 
-__all__ = ["PiecewiseForward", "capture_token_counts", "piecewise_supported", "store_slots"]
+__all__ = ["PiecewiseForward", "capture_token_counts", "piecewise_supported"]
