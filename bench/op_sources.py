@@ -12,7 +12,6 @@ that issue most ops are where fusing pays first.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile

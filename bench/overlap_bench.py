@@ -108,8 +108,9 @@ def measure(engine: Engine, batch: int) -> dict:
             "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
             "top_gpu_ms_per_iter": [[k[:80], round(v, 4)] for k, v in top],
             # Every kernel: name, launches and ms per iteration (what a speculative step adds over a plain one).
-            "kernels_by_name": sorted(([e.key[:100], round(e.count / PROFILE, 2), round(e.device_time_total / PROFILE / 1e3, 4)]
-                                       for e in kernels), key=lambda row: -row[1])}
+            "kernels_by_name": sorted(([e.key[:100], round(e.count / PROFILE, 2),
+                                        round(e.device_time_total / PROFILE / 1e3, 4)] for e in kernels),
+                                      key=lambda row: -row[1])}
 
 
 def _kernel_kind(name: str) -> str:
