@@ -6,9 +6,7 @@ python bench/overlap_bench.py --out overlap.json [--shapes llama-3.2-1b llama-3.
     [--attention-backend torch|triton] [--disable-cuda-graph] [--plain]
 
 --plain adds one row per batch for plain decoding (no draft) in the same run, as the baseline;
---default-only measures the speculative engine only as it ships (overlap and plan stream on);
---pdl-ab N measures every configuration 2N times, with programmatic dependent launch off and on in turn
-(TANDEM_DISABLE_PDL, layers/pdl.py), and prints the on/off ratio of each pair.
+--default-only measures the speculative engine only as it ships (overlap and plan stream on).
 
 The floor is the target's weight bytes over --copy-tb-s (4.27 TB/s: the H200's measured device-to-device
 copy bandwidth, docs/performance.md): no decode step can read its weights faster. Each row prints its
@@ -171,8 +169,6 @@ def main():
     ap.add_argument("--plain", action="store_true", help="also measure plain decoding (no draft)")
     ap.add_argument("--default-only", action="store_true", help="speculative rows with overlap and plan stream on only")
     ap.add_argument("--copy-tb-s", type=float, default=4.27, help="the bandwidth of the floor (TB/s)")
-    ap.add_argument("--pdl-ab", type=int, default=0, metavar="N",
-                    help="N pairs of engines per configuration, PDL off then on (0: PDL as the environment says)")
     ns = ap.parse_args()
     root = tempfile.mkdtemp()
     rows = []
@@ -180,10 +176,7 @@ def main():
     configs += [(None, None)] if ns.plain else []
     for shape in ns.shapes:
         target, head = write_preset(shape, root)
-        pdl_turns = [False, True] * ns.pdl_ab or [None]
-        for (overlap, plan), pdl in [(c, t) for c in configs for t in pdl_turns]:
-            if pdl is not None:
-                os.environ["TANDEM_DISABLE_PDL"] = "0" if pdl else "1"
+        for overlap, plan in configs:
             spec = {} if overlap is None else dict(
                 speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3,
                 speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=False,
@@ -197,7 +190,6 @@ def main():
                 r = {"shape": shape, "mode": "plain" if overlap is None else "spec", "overlap": overlap,
                      "plan_stream": plan, "batch": batch, "attention_backend": ns.attention_backend,
                      "cuda_graphs": not ns.disable_cuda_graph, "floor_ms": round(floor_ms, 3),
-                     "pdl": os.environ.get("TANDEM_DISABLE_PDL", "0") != "1",
                      **measure(engine, batch)}
                 r["iter_over_floor"] = round(r["iter_ms"] / floor_ms, 3)
                 rows.append(r)
@@ -225,23 +217,6 @@ def main():
         for name, ms in r["top_gpu_ms_per_iter"]:
             print(f"    {ms:8.3f}  {name}")
     print_added_kernels(rows)
-    if ns.pdl_ab:
-        print_pdl_pairs(rows)
-
-
-def print_pdl_pairs(rows: list[dict]) -> None:
-    """Each PDL-on row against the PDL-off row measured just before it (same shape, mode and batch)."""
-    last_off = {}
-    print("PDL on / off, paired rows (iteration ms, kernels, gaps ms):")
-    for r in rows:
-        key = (r["shape"], r["mode"], r["overlap"], r["plan_stream"], r["batch"])
-        if not r["pdl"]:
-            last_off[key] = r
-        elif key in last_off:
-            off = last_off.pop(key)
-            print(f"  {r['shape']:14} {r['mode']:5} B={r['batch']:<3} {off['iter_ms']:.3f} -> {r['iter_ms']:.3f} ms "
-                  f"({r['iter_ms'] / off['iter_ms']:.3f}x), kernels {off['kernels_per_iter']:.0f} -> "
-                  f"{r['kernels_per_iter']:.0f}, gaps {off['gpu_gap_ms_per_iter']:.3f} -> {r['gpu_gap_ms_per_iter']:.3f}")
 
 
 def print_added_kernels(rows: list[dict]) -> None:

@@ -55,12 +55,6 @@ def disable_fused_kernels() -> bool:
     return os.environ.get("TANDEM_DISABLE_FUSED_KERNELS", "0") == "1"
 
 
-def disable_pdl() -> bool:
-    """TANDEM_DISABLE_PDL=1: launch the Triton kernels of a decoder layer without programmatic dependent
-    launch (layers/pdl.py), for comparisons and bisecting."""
-    return os.environ.get("TANDEM_DISABLE_PDL", "0") == "1"
-
-
 def cache_dir() -> str:
     """TANDEM_CACHE: where `tandem pull` keeps models fetched by name (default: ~/.cache/tandem)."""
     return os.path.expanduser(os.environ.get("TANDEM_CACHE") or os.path.join("~", ".cache", "tandem"))

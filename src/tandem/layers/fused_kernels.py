@@ -16,19 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers import pdl
-
 
 @triton.jit
 def _rms_norm_kernel(X, Residual, Weight, Out, ResidualOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    w = tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         # torch: residual = x + residual in the model dtype (one rounding), then the norm of that.
@@ -38,6 +32,7 @@ def _rms_norm_kernel(X, Residual, Weight, Out, ResidualOut, stride_x, stride_r, 
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(Out.dtype.element_ty).to(tl.float32)  # torch: x.to(dtype) before the scale
+    w = tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
 
 
@@ -52,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x, residual if residual is not None else x, weight, out, res_out,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
             h, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h),
-            num_warps=4 if h <= 4096 else 8, **pdl.launch_kwargs(x))
+            num_warps=4 if h <= 4096 else 8)
     return out if residual is None else (out, res_out)
 
 
@@ -60,14 +55,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rotary_kernel(Q, K, V, KCache, VCache, SlotMapping, Positions, Cos, Sin, stride_pos, stride_qn, stride_qh,
                    stride_kn, stride_kh, stride_vn, stride_vh, stride_slot, stride_kcn, stride_kch, stride_vcn,
                    stride_vch, stride_cos, num_q_heads, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                   STORE: tl.constexpr, PDL: tl.constexpr):
+                   STORE: tl.constexpr):
     """One program per (token, head). With STORE, the programs of k heads also write the rotated k
     and the token's v head into cache slot SlotMapping[token]: the separate KV-store kernel is saved."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     is_k = head >= num_q_heads
     if is_k:
         base = K + tok * stride_kn + (head - num_q_heads) * stride_kh
@@ -120,17 +112,13 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                      slots.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                                      v_cache.stride(1), cos.stride(0), hq, HALF=d // 2,
-                                     BLOCK=triton.next_power_of_2(d // 2), STORE=store is not None, num_warps=1,
-                                     **pdl.launch_kwargs(q))
+                                     BLOCK=triton.next_power_of_2(d // 2), STORE=store is not None, num_warps=1)
     return q, k
 
 
 @triton.jit
-def _silu_mul_kernel(GateUp, Out, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(GateUp, Out, stride_in, stride_out, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     g = tl.load(GateUp + row * stride_in + cols, mask=ok, other=0.0)
@@ -149,5 +137,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if n:
         _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), i, BLOCK=block,
-                                                     num_warps=4, **pdl.launch_kwargs(gate_up))
+                                                     num_warps=4)
     return out

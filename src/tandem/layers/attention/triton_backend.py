@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from tandem.layers import pdl
 from tandem.layers.attention.base import AttentionBackend, AttentionBatch, page_slots
 from tandem.layers.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from tandem.layers.attention.triton_kernels import attention_kernel, merge_splits_kernel, store_kv_kernel
@@ -128,7 +127,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HAS_VALID=query_valid is not None, CAUSAL=causal, HAS_KV_LENS=kv_lens is not None,
         NUM_SPLITS=cfg.num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
         merge_splits_kernel[(num_rows * lq, num_heads)](
@@ -137,7 +136,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_heads, lq,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=cfg.num_splits,
             BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), HAS_VALID=query_valid is not None,
-            num_warps=1 if block_d <= 64 else 2, **pdl.launch_kwargs(q),
+            num_warps=1 if block_d <= 64 else 2,
         )
     return out
 

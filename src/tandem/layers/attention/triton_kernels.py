@@ -36,11 +36,7 @@ def attention_kernel(
     HAS_KV_LENS: tl.constexpr,  # KvLens bounds each row's KV loop (else every row runs to Lkv)
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 from the loaded values (the interpreter cannot do bf16 math)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (layers/pdl.py): wait before any load
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,12 +136,9 @@ def merge_splits_kernel(
     stride_on, stride_oh, stride_od, stride_qib, stride_qij, stride_qvb, stride_qvj,
     num_heads, Lq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_VALID: tl.constexpr, PDL: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):
     """One (query, head) per program: rescale each split's partial sums to the global max and add."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)  # b * Lq + i
     head = tl.program_id(1)
     b = row // Lq
