@@ -28,6 +28,8 @@ from tandem.train.self_distill import prompt_ids  # noqa: E402
 DEFAULT_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "smollm2-heldout-prompts.jsonl")
 SHAPES = {  # name -> (speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens)
     "chain3": (3, 1, 4),
+    "tree6": (3, 2, 6),
+    "tree8": (4, 2, 8),
     "tree16": (4, 4, 16),
 }
 
@@ -61,11 +63,14 @@ def measure_acceptance(target, draft, prompts, ids, shape, temperature, max_new_
             "by_kind": {k: acceptance(v, steps) for k, v in sorted(by_kind.items())}}
 
 
-def measure_speed(target, draft, ids, batch, max_new_tokens, device) -> dict:
+def measure_speed(target, draft, ids, batch, max_new_tokens, device, shape="chain3", adaptive=True) -> dict:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     common = dict(device=device, dtype="float32", max_running_requests=max(4, batch),
                   max_total_tokens=8 * (max(map(len, ids)) + max_new_tokens + 64))
-    spec = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, **common)
+    steps, topk, nodes = SHAPES[shape]
+    spec = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=steps,
+                  speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes, speculative_adaptive=adaptive,
+                  **common)
     plain = Engine(target, **common)
     pairs = []
     try:
@@ -91,7 +96,7 @@ def measure_speed(target, draft, ids, batch, max_new_tokens, device) -> dict:
              for name in ("spec", "plain")}
     lengths = [x for p in pairs for x in p.pop("accept_lengths")]
     ratios = sorted(p["ratio"] for p in pairs)
-    return {"batch_size": batch, "groups": len(pairs), "spec_tokens_per_s": round(total["spec"], 3),
+    return {"batch_size": batch, "shape": shape, "adaptive": adaptive, "groups": len(pairs), "spec_tokens_per_s": round(total["spec"], 3),
             "plain_tokens_per_s": round(total["plain"], 3), "speedup": round(total["spec"] / total["plain"], 4),
             "pair_ratio_min": ratios[0], "pair_ratio_median": ratios[len(ratios) // 2], "pair_ratio_max": ratios[-1],
             "mean_accept_length": round(sum(lengths) / max(1, len(lengths)), 4), "pairs": pairs}
@@ -109,6 +114,9 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=8, help="prompts timed at each batch size")
     ap.add_argument("--speed-batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--speed-max-new-tokens", type=int, default=128)
+    ap.add_argument("--speed-shapes", nargs="+", default=["chain3"], choices=list(SHAPES),
+                    help="drafting the speed runs configure (adaptive depth chooses among its chains and the tree)")
+    ap.add_argument("--speed-fixed", action="store_true", help="speed runs at fixed depth (adaptive depth off)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--out", required=True)
@@ -139,10 +147,11 @@ def main() -> None:
         kinds = sorted({p.kind for p in prompts})
         order = [i for group in zip(*[[i for i, p in enumerate(prompts) if p.kind == k] for k in kinds])
                  for i in group][:ns.speed_prompts]
-        for batch in ns.speed_batches:
-            row = measure_speed(target, draft, [ids[i] for i in order], batch, ns.speed_max_new_tokens, ns.device)
+        for shape, batch in [(s, b) for s in ns.speed_shapes for b in ns.speed_batches]:
+            row = measure_speed(target, draft, [ids[i] for i in order], batch, ns.speed_max_new_tokens, ns.device,
+                                shape, adaptive=not ns.speed_fixed)
             result["speed"].append(row)
-            print(f"batch {batch}: spec {row['spec_tokens_per_s']:.1f} tok/s, plain {row['plain_tokens_per_s']:.1f}"
+            print(f"{shape}, batch {batch}: spec {row['spec_tokens_per_s']:.1f} tok/s, plain {row['plain_tokens_per_s']:.1f}"
                   f" tok/s, {row['speedup']:.3f}x (pairs {row['pair_ratio_min']}-{row['pair_ratio_max']}), "
                   f"accept length {row['mean_accept_length']:.2f}", flush=True)
     report.write_json(result, ns.out)
