@@ -201,6 +201,37 @@ def test_requests_are_admitted_dormant_only_when_drafting_does_not_pay():
     assert not any(q.admit(f"q{i}", 8) for i in range(2 * SENTINEL_EVERY))
 
 
+def test_one_request_the_draft_cannot_follow_does_not_make_the_next_ones_dormant(monkeypatch):
+    """Batch 1, costs 1.0 ms at depth 0 and 1.3 / 1.5 / 1.66 ms at depth 1..3: a chain of three pays from 1.66
+    expected tokens. Two requests accept 0.7 at every position (1 + 0.7 + 0.49 + 0.343 = 2.53 tokens a chain of
+    three), then one accepts nothing for 60 steps: the engine's moving average of a_1 falls near 0 (one row a
+    step, so the last request is all it remembers), and at its rates no drafting pays. The three requests'
+    mean, one vote each, is (2.53 + 2.53 + 1) / 3 = 2.02 tokens at 1.66 ms, 1.22 a ms against depth 0's 1.0:
+    later requests keep their draft. Controls: with the population rule off, and when all three accepted
+    nothing, they are admitted dormant."""
+    from tandem.speculative.policy import dormancy
+
+    costs = {1: [1.0, 1.3, 1.5, 1.66]}
+
+    def after(rates_by_request):
+        p = policy_with_costs(costs, probe_every=10**9)
+        for i, rates in enumerate(rates_by_request):
+            teach(p, rates, steps=60, rid=f"done{i}")
+            p.forget([f"done{i}"])
+        return p
+
+    good, hopeless = [0.7, 0.7, 0.7], [0.0, 0.0, 0.0]
+    p = after([good, good, hopeless])
+    assert p.acceptance[0] < 0.1  # the moving average is the last request's
+    assert p.population_expected(False)[3] == pytest.approx((2 * 2.533 + 1.0) / 3, abs=0.03)
+    assert not any(p.admit(f"next{i}", 1) for i in range(5))
+
+    monkeypatch.setattr(dormancy, "DORMANT_POPULATION_MIN_REQUESTS", 10**6)
+    assert after([good, good, hopeless]).admit("next", 1)  # without the population's vote: dormant
+    monkeypatch.undo()
+    assert after([hopeless, hopeless, hopeless]).admit("next", 1)  # the population agrees: dormant
+
+
 def test_running_requests_drop_their_draft_once_drafting_cannot_pay():
     """Costs where a chain of one costs 1.6x depth 0 (it pays only at a_1 > 0.6): before 8 observations
     nothing is demoted; after 8 rejections every running request but the sentinels drops its draft state;

@@ -29,6 +29,7 @@ from tandem.speculative.policy.cohorts import (COHORTS_KEPT, SLOWEST_ROW_MIN_REQ
 from tandem.speculative.policy.costs import (GREEDY_MODE, OUTLIER_RATIO, REFRESH_EVERY, REFRESH_MARGIN, REFRESH_WEIGHT,
                                              TRUSTED_OBSERVATIONS, UNTRUSTED_REFRESH_EVERY, _rows, cost_table)
 from tandem.speculative.policy.dormancy import (DORMANT_CONFIDENCE_Z, DORMANT_MIN_OBSERVATIONS,
+                                                DORMANT_POPULATION_MIN_REQUESTS, DORMANT_POPULATION_REQUESTS,
                                                 DORMANT_SETTLED_OBSERVATIONS, DORMANT_SETTLED_STEPS,
                                                 DORMANT_STALE_STEPS, SENTINEL_BUDGET, SENTINEL_EVERY)
 from tandem.speculative.policy.shape import DraftShape

@@ -40,6 +40,14 @@ DORMANT_SETTLED_OBSERVATIONS = 32
 # Likewise (and without DORMANT_MIN_OBSERVATIONS) at a table whose choice has been depth 0 for this many steps
 # in a row, probes aside: at depth 0 only probes observe, so the interval hardly narrows.
 DORMANT_SETTLED_STEPS = 64
+# A new request is also judged by how the last requests of its class fared, one vote each: the mean of the
+# expected tokens by depth of the last DORMANT_POPULATION_REQUESTS finished ones (from their own rates), once
+# DORMANT_POPULATION_MIN_REQUESTS have finished. At batch 1 the engine's moving average is the last request's
+# alone, so one request the draft cannot follow would otherwise keep every later one dormant (on a CPU with
+# the real pair: the five after it, with no sentinel due for SENTINEL_EVERY admissions). Drafting cannot pay
+# only when neither says it does; a hard request that drafts anyway soon runs at depth 0 by its own rates.
+DORMANT_POPULATION_REQUESTS = 8
+DORMANT_POPULATION_MIN_REQUESTS = 3
 # A dormant step is timed only by dormant steps, and none runs while its batch drafts: after this many steps
 # of a table without one it counts at no more than its start-up timing, so a slow stretch cannot keep it dear.
 DORMANT_STALE_STEPS = REFRESH_EVERY
@@ -152,6 +160,9 @@ class Dormancy:
         as_estimated = expected_by_depth(cls.effective())
         rates = cls.effective() if settled else self.optimistic_acceptance(sampled)
         expected = expected_by_depth(rates)
+        population = self.population_expected(sampled)
+        if population is not None:
+            expected = [max(e, p) for e, p in zip(expected, population)]
         if slowest is not None:
             expected = [min(e, own) for e, own in zip(expected, slowest)]
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
@@ -160,6 +171,14 @@ class Dormancy:
         best_drafting = max((tree_tokens if shape.tree else expected[shape.depth]) / costs[shape]
                             for shape in self.options if shape.drafts)
         return best_drafting < 1.0 / max(dormant_step - upkeep_ms, 1e-6)
+
+    def population_expected(self, sampled: bool) -> list[float] | None:
+        """The mean over the class's last DORMANT_POPULATION_REQUESTS finished requests of their own expected
+        tokens by depth 0..D, each request one vote; None until DORMANT_POPULATION_MIN_REQUESTS finished."""
+        finished = list(self._finished_expected[sampled])[-DORMANT_POPULATION_REQUESTS:]
+        if len(finished) < DORMANT_POPULATION_MIN_REQUESTS:
+            return None
+        return [sum(col) / len(finished) for col in zip(*finished)]
 
     def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
