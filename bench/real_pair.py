@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine, SamplingParams  # noqa: E402
 from tandem.bench import report  # noqa: E402
@@ -102,6 +104,30 @@ def measure_speed(target, draft, ids, batch, max_new_tokens, device, shape="chai
             "mean_accept_length": round(sum(lengths) / max(1, len(lengths)), 4), "pairs": pairs}
 
 
+def cpu_host() -> dict:
+    """What the speed rows depend on, so records from different hosts can be told apart: the processor's name
+    and one float32 GEMM the size of the target's lm_head (49,152 x 576) at 1 and 4 rows, the rows of a plain
+    step and of a chain-of-3 verify (on some hosts 4 rows cost twice 1 row, and speculation gains little)."""
+    name = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    weight = torch.randn(49152, 576)
+    gemm_ms = {}
+    for rows in (1, 4):
+        x = torch.randn(rows, 576)
+        torch.nn.functional.linear(x, weight)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+        gemm_ms[rows] = round(best * 1e3, 3)
+    return {"cpu": name, "threads": torch.get_num_threads(), "lm_head_gemm_ms_by_rows": gemm_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="smollm2-135m-instruct")
@@ -134,7 +160,7 @@ def main() -> None:
               "command": ["python", *sys.argv], "model_path": ns.model_path, "draft": os.path.basename(draft),
               "device": ns.device, "threads": os.environ.get("OMP_NUM_THREADS"), "prompts": len(prompts),
               "kinds": {k: sum(p.kind == k for p in prompts) for k in sorted({p.kind for p in prompts})},
-              "acceptance": [], "speed": []}
+              "host": cpu_host() if ns.device == "cpu" else None, "acceptance": [], "speed": []}
     if not ns.skip_acceptance:
         for shape in ns.shapes:
             for t in ns.temperatures:
