@@ -43,13 +43,15 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "smollm2-heldo
 TTT_STEPS = 3
 
 
-def engine_answers(target: str, draft: str, ids: list[list[int]], max_new_tokens: int) -> list:
+def engine_answers(target: str, draft: str, prompts, max_new_tokens: int) -> tuple[list[list[int]], list]:
+    """Each prompt's token ids (through the chat template where its kind is chat) and the engine's output."""
     with Engine(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=draft, speculative_num_steps=TTT_STEPS, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=TTT_STEPS + 1, speculative_adaptive=False, max_running_requests=64,
-                max_total_tokens=64 * (max(map(len, ids)) + max_new_tokens + 64)) as engine:
-        return engine.generate(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=max_new_tokens,
-                                                                             temperature=0.0))
+                max_total_tokens=64 * (256 + max_new_tokens + 64)) as engine:  # (longer prompts queue)
+        ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
+        return ids, engine.generate(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=max_new_tokens,
+                                                                                  temperature=0.0))
 
 
 def load_head(draft: str, target, max_positions: int):
@@ -124,10 +126,8 @@ def main() -> None:
         if taken.get(p.kind, 0) < ns.per_kind:
             prompts.append(p)
             taken[p.kind] = taken.get(p.kind, 0) + 1
-    with Engine(target, device="cpu", dtype="float32", max_total_tokens=256) as engine:
-        ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
     print(f"engine: {len(prompts)} prompts, greedy, chain of {TTT_STEPS}", flush=True)
-    outs = engine_answers(target, draft, ids, ns.max_new_tokens)
+    ids, outs = engine_answers(target, draft, prompts, ns.max_new_tokens)
     print("teacher-forced: the training code's forward over every prompt and answer", flush=True)
     by_kind = compare(target, draft, prompts, ids, outs)
     result = {"tool": "bench/head_agreement.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -70,9 +70,9 @@ def measure_speed(target, draft, ids, batch, max_new_tokens, device, shape="chai
     common = dict(device=device, dtype="float32", max_running_requests=max(4, batch),
                   max_total_tokens=8 * (max(map(len, ids)) + max_new_tokens + 64))
     steps, topk, nodes = SHAPES[shape]
-    spec = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=steps,
-                  speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes, speculative_adaptive=adaptive,
-                  **common)
+    spec = Engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                  speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes,
+                  speculative_adaptive=adaptive, **common)
     plain = Engine(target, **common)
     pairs = []
     try:
@@ -98,7 +98,8 @@ def measure_speed(target, draft, ids, batch, max_new_tokens, device, shape="chai
              for name in ("spec", "plain")}
     lengths = [x for p in pairs for x in p.pop("accept_lengths")]
     ratios = sorted(p["ratio"] for p in pairs)
-    return {"batch_size": batch, "shape": shape, "adaptive": adaptive, "groups": len(pairs), "spec_tokens_per_s": round(total["spec"], 3),
+    return {"batch_size": batch, "shape": shape, "adaptive": adaptive, "groups": len(pairs),
+            "spec_tokens_per_s": round(total["spec"], 3),
             "plain_tokens_per_s": round(total["plain"], 3), "speedup": round(total["spec"] / total["plain"], 4),
             "pair_ratio_min": ratios[0], "pair_ratio_median": ratios[len(ratios) // 2], "pair_ratio_max": ratios[-1],
             "mean_accept_length": round(sum(lengths) / max(1, len(lengths)), 4), "pairs": pairs}
@@ -177,7 +178,8 @@ def main() -> None:
             row = measure_speed(target, draft, [ids[i] for i in order], batch, ns.speed_max_new_tokens, ns.device,
                                 shape, adaptive=not ns.speed_fixed)
             result["speed"].append(row)
-            print(f"{shape}, batch {batch}: spec {row['spec_tokens_per_s']:.1f} tok/s, plain {row['plain_tokens_per_s']:.1f}"
+            print(f"{shape}, batch {batch}: spec {row['spec_tokens_per_s']:.1f} tok/s, "
+                  f"plain {row['plain_tokens_per_s']:.1f}"
                   f" tok/s, {row['speedup']:.3f}x (pairs {row['pair_ratio_min']}-{row['pair_ratio_max']}), "
                   f"accept length {row['mean_accept_length']:.2f}", flush=True)
     report.write_json(result, ns.out)

@@ -43,6 +43,11 @@ def _rows(table) -> int:
     return table if isinstance(table, int) else table[1]
 
 
+def _mode(table) -> str:
+    """A cost table's sampling mode."""
+    return GREEDY_MODE if isinstance(table, int) else table[0]
+
+
 class CostTables:
     """DepthPolicy's cost tables. A table (`cost_table`: padded batch size and sampling mode) keys every cost.
     State (set in DepthPolicy.__init__): cost_ms, _time_seen, _startup_ms, catch_up_per_step_ms, _refreshing,
@@ -154,13 +159,12 @@ class CostTables:
         one; 0 where none has. The host's work a step (launches, scheduling, the results' copy) grows with the
         batch, so a smaller batch's share is a lower bound; without it a first burst weighs its draft
         prefill's online time against a dormant step at device time alone, and admits every request dormant."""
-        mode, rows = (None, table) if isinstance(table, int) else table
         shares = {}
         for other in self._dormant_startup_ms:
-            other_mode, other_rows = (None, other) if isinstance(other, int) else other
-            share = self._dormant_host_share(other) if other_mode == mode and other_rows < rows else None
-            if share is not None:
-                shares[other_rows] = share
+            if _mode(other) == _mode(table) and _rows(other) < _rows(table):
+                share = self._dormant_host_share(other)
+                if share is not None:
+                    shares[_rows(other)] = share
         return max(0.0, shares[max(shares)]) if shares else 0.0
 
     def _refresh(self, table, best: DraftShape, rate) -> DraftShape:
