@@ -19,7 +19,7 @@
 #   constants    the measurements code constants rest on: depth 0's cost, sampling kernel pivot rounds, top-k cut
 #   precision    bench/precision_equality.py: speculative against plain tokens in bf16
 #   multiturn    tandem bench --workload multi-turn, 8B shape: prefix cache on and off, speculation on and off;
-#                the same with a 4,096-token system prompt; and the no-reuse workload twice (the cache's cost)
+#                the same with a 4,096-token system prompt; and the no-reuse workload, each engine twice (the cache's cost)
 #   twogpu       tensor and data parallelism, the sharded draft layer (skipped with fewer than 2 GPUs)
 # Puts the checkout's src first on PYTHONPATH (nothing to install); needs torch with CUDA, triton, transformers
 # (the demo part), matplotlib (plots), not the server's packages. Exits 1 if a part failed (the others run).
@@ -142,11 +142,10 @@ if wanted multiturn; then
     # shellcheck disable=SC2046,SC2086
     part multi-turn-long bench --workload multi-turn $mt --system-len 4096 \
         $(q "" "--conversations 8 --conversation-turns 3") --out "$OUT/multi-turn-long-llama-3.1-8b.json"
-    for i in 1 2; do
-        # shellcheck disable=SC2046,SC2086
-        part "no-reuse-$i" bench --workload no-reuse $mt $(q "" "--conversations 8 --conversation-turns 3") \
-            --out "$OUT/no-reuse-$i-llama-3.1-8b.json"
-    done
+    # Two runs of each engine, cache on and off taking turns at going first (the first engine pays compiles).
+    # shellcheck disable=SC2046,SC2086
+    part no-reuse bench --workload no-reuse $mt --repeats 2 $(q "" "--conversations 8 --conversation-turns 3") \
+        --out "$OUT/no-reuse-llama-3.1-8b.json"
 fi
 if wanted twogpu; then
     if [ "$gpus" -ge 2 ]; then

@@ -15,7 +15,7 @@ PAGE = 16  # the engine's default page size
 def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path):
     cfg = MultiTurnConfig(engine_kwargs={"device": "cpu", "dtype": "float32"}, preset="tiny-test", conversations=3,
                           turns=3, system_len=40, user_len=10, answer_len=12, spec="off", progress=False,
-                          out=str(tmp_path / "mt.json"))
+                          repeats=2, out=str(tmp_path / "mt.json"))
     result = run_multi_turn(cfg)
     on, off = result["runs"]["spec_off/cache_on"], result["runs"]["spec_off/cache_off"]
     for run in (on, off):
@@ -29,3 +29,10 @@ def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path):
             assert r["cached_tokens"] == computed // PAGE * PAGE, r
     assert result["summary"]["spec_off/cache_on"]["hit_rate"] > 0.5
     assert json.load(open(tmp_path / "mt.json"))["workload"] == "multi-turn"
+    # Two runs of each engine, the cache's turn at going first alternating; each run's hits are the same.
+    assert result["engine_order"] == ["spec_off/cache_on", "spec_off/cache_off", "spec_off/cache_off",
+                                      "spec_off/cache_on"]
+    again = on["later_repeats"][0]["records"]
+    assert [r["cached_tokens"] for r in again] == [r["cached_tokens"] for r in on["records"]]
+    # A cached turn's first token comes in its first or second step (the overlap returns a step late).
+    assert all(1 <= r["ttft_steps"] <= 2 for r in on["records"] if r["turn"] >= 2)

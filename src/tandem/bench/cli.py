@@ -58,7 +58,8 @@ def add_bench_parser(sub) -> None:
                    help="the grid's temperatures (default 0 1)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per batch size and mode (same prompts); each reported metric is the "
-                        "median, every run is kept in the JSON (time to first token is one noisy sample per run)")
+                        "median, every run is kept in the JSON (time to first token is one noisy sample per run). "
+                        "multi-turn / no-reuse: runs of every engine, cache on and off taking turns at going first")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time (for a model that fits only once); by default the engines of "
                         "speculation on and off are held together and their runs take turns")

@@ -10,7 +10,9 @@ tokens, so with and without the cache the same histories are sent (greedy output
 For each engine (prefix cache on / off, x speculation on / off) the record holds each turn's time to first
 token, its cached prompt tokens, its acceptance lengths and the wall time; the summary compares turns 2..N
 (the ones with history to reuse) with and without the cache. `--workload no-reuse` sends fresh random
-prompts of the same lengths instead, to price the cache where nothing is shared.
+prompts of the same lengths instead, to price the cache where nothing is shared. With `--repeats N` every
+engine runs N times, cache on and off taking turns at going first (the first engine of a process pays for
+compiles the warm-up did not need, a cost larger than the cache's own); the summary is each metric's median.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class MultiTurnConfig:
     user_len: int = 128
     answer_len: int = 128
     spec: str = "both"  # both | on | off
+    # Runs of every engine; cache on goes first in odd runs and second in even ones, so that what the first
+    # engine of a process pays (compiles for shapes the warm-up did not see) falls on both.
+    repeats: int = 1
     synthetic_acceptance: float | tuple[float, ...] | None = None
     seed: int = 0
     out: str | None = None
@@ -44,7 +49,7 @@ class MultiTurnConfig:
     def __post_init__(self) -> None:
         if self.workload not in ("multi-turn", "no-reuse"):
             raise ValueError(f"workload must be multi-turn or no-reuse (got {self.workload!r})")
-        for name in ("conversations", "turns", "user_len", "answer_len"):
+        for name in ("conversations", "turns", "user_len", "answer_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.system_len < 0:
@@ -77,7 +82,7 @@ def run_conversations(engine, cfg: MultiTurnConfig, vocab: int, bar=None) -> dic
         prompt = fresh[c][t] if fresh is not None else history[c] + users[c][t]
         rid = engine.add_request(prompt, params)
         live[rid] = {"conversation": c, "turn": t + 1, "prompt": prompt, "sent": time.perf_counter(),
-                     "first": None}
+                     "first": None, "sent_step": steps, "first_step": None}
 
     # Conversations start one after another, spread over one answer's worth of steps, so their turns arrive
     # apart as a server's do (started together, equal-length answers would keep them in lockstep: every
@@ -97,13 +102,15 @@ def run_conversations(engine, cfg: MultiTurnConfig, vocab: int, bar=None) -> dic
         for d in out.deltas:
             rec = live.get(d.request_id)
             if rec is not None and rec["first"] is None and d.new_token_ids:
-                rec["first"] = now
+                rec["first"], rec["first_step"] = now, steps
         for fin in out.finished:
             rec = live.pop(fin.request_id)
             c = rec["conversation"]
             records.append({"conversation": c, "turn": rec["turn"], "prompt_tokens": len(rec["prompt"]),
                             "cached_tokens": fin.num_cached_tokens, "ttft_s": (rec["first"] or now) - rec["sent"],
                             "e2e_s": now - rec["sent"], "output_tokens": len(fin.token_ids),
+                            # engine.step() calls from sending to the first token, the one it came in included
+                            "ttft_steps": (rec["first_step"] or steps) - rec["sent_step"],
                             "accept_lengths": list(fin.spec_accept_lengths)})
             if bar is not None:
                 bar.update()
@@ -150,10 +157,12 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
 
     modes = [("spec_on", cfg.spec in ("both", "on")), ("spec_off", cfg.spec in ("both", "off"))]
     modes = [m for m, wanted in modes if wanted]
-    engines = [(m, cache) for m in modes for cache in ("cache_on", "cache_off")]
+    engines = [(r, m, cache) for r in range(cfg.repeats) for m in modes
+               for cache in (("cache_on", "cache_off") if r % 2 == 0 else ("cache_off", "cache_on"))]
     result = {"workload": cfg.workload, "command": cfg.command, "config": {
         k: getattr(cfg, k) for k in ("conversations", "turns", "system_len", "user_len", "answer_len", "spec",
-                                     "synthetic_acceptance", "seed", "preset")}, "runs": {}, "summary": {}}
+                                     "synthetic_acceptance", "seed", "preset", "repeats")},
+        "runs": {}, "summary": {}, "engine_order": [], "repeat_runs": {}, "repeat_summaries": {}}
     with tempfile.TemporaryDirectory(prefix="tandem-multi-turn-") as root:
         bench_cfg = BenchConfig(engine_kwargs=cfg.engine_kwargs, preset=cfg.preset, batch_sizes=(cfg.conversations,),
                                 input_len=cfg.context_length - 2, output_len=2, spec="on" if "spec_on" in modes else "off")
@@ -163,7 +172,7 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
         bar = tqdm(total=len(engines) * cfg.conversations * cfg.turns, desc=f"tandem bench {cfg.workload}",
                    unit="turn", disable=not cfg.progress)
         try:
-            for mode, cache in engines:
+            for repeat, mode, cache in engines:
                 bar.set_postfix_str(f"{mode.replace('_', ' ')}, prefix {cache.replace('_', ' ')}")
                 kw = dict(spec_kw if mode == "spec_on" else plain_kw, disable_prefix_caching=cache == "cache_off")
                 engine = Engine(**kw)
@@ -182,11 +191,19 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                 key = f"{mode}/{cache}"
-                result["runs"][key] = run
-                result["summary"][key] = summarize(run)
+                result["engine_order"].append(key)
+                result["repeat_runs"].setdefault(key, []).append(run)
+                result["repeat_summaries"].setdefault(key, []).append(summarize(run))
         finally:
             bar.close()
+    for key, runs in result.pop("repeat_runs").items():
+        result["runs"][key] = runs[0]
+        if len(runs) > 1:
+            result["runs"][key]["later_repeats"] = runs[1:]
+        result["summary"][key] = _median_summary(result["repeat_summaries"][key])
     result["ratios"] = _ratios(result["summary"])
+    result["ratios_by_repeat"] = [_ratios({k: v[r] for k, v in result["repeat_summaries"].items()})
+                                  for r in range(cfg.repeats)]
     if cfg.synthetic_acceptance is not None:
         result["label"] = synthetic.LABEL
     out = cfg.out or os.path.join("bench", "results", f"{cfg.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -194,6 +211,19 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
     result["json"] = out
     report.write_json(result, out)
     return result
+
+
+def _median_summary(summaries: list[dict]) -> dict:
+    """Each metric's median over the repeats (with two, their mean)."""
+    out = {}
+    for k, v in summaries[0].items():
+        xs = sorted(s[k] for s in summaries if s[k] is not None)
+        if not xs or not isinstance(v, (int, float)):
+            out[k] = v
+            continue
+        mid = len(xs) // 2
+        out[k] = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return out
 
 
 def _ratios(summary: dict) -> dict:
@@ -235,7 +265,7 @@ def main_from_namespace(ns) -> int:
     kw.pop("disable_prefix_caching", None)  # the workload runs both
     cfg = MultiTurnConfig(engine_kwargs=kw, preset=ns.preset, workload=ns.workload,
                           conversations=ns.conversations, turns=ns.conversation_turns, system_len=ns.system_len,
-                          user_len=ns.user_len, answer_len=ns.answer_len, spec=ns.spec,
+                          user_len=ns.user_len, answer_len=ns.answer_len, spec=ns.spec, repeats=ns.repeats,
                           synthetic_acceptance=synthetic_rate(ns), out=ns.out, progress=not ns.no_progress,
                           command=["tandem", *sys.argv[1:]])
     result = run_multi_turn(cfg)
