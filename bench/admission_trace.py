@@ -1,11 +1,15 @@
-"""Why the adaptive policy admits requests dormant: every admission's inputs and answer, for the demo pair.
+"""Why the adaptive policy admits requests dormant and drafts what it drafts, for the demo pair.
 
-python bench/admission_trace.py --batch-sizes 1 8 32 --runs 3 --out admissions.json
+python bench/admission_trace.py --batch-sizes 1 8 32 --runs 3 [--choices] [--warmup-len 8] --out trace.json
 
 Builds the adaptive engine as bench/sampling_bench.py does (EAGLE-3 chain of 3, CUDA graphs, overlap), runs
-greedy batches of random prompts, and records at each admission (`DepthPolicy.admit`) the cost table the
-decision saw (each option's cost floored at the host-bound step's, the dormant step's, depth 0's), the engine-wide
-acceptance as estimated and as optimism allows, the draft prefill's share, and the answer.
+greedy batches of random prompts (after a warm-up batch of --warmup-len tokens at each size, as that bench
+does), and records at each admission (`DepthPolicy.admit`) the cost table the decision saw (each option's
+cost floored at the host-bound step's, the dormant step's, depth 0's), the engine-wide acceptance as
+estimated and as optimism allows, the draft prefill's share, and the answer. With --choices, every step's
+choice too (`DepthPolicy.choose`): the batch's acceptance and observations, the tokens each depth is
+expected to make and the costs it was weighed at (`_effective_costs`), and the answer. Each run also
+records the acceptance of position 1 by the requests' step number (what their drafting steps showed).
 """
 
 import argparse
@@ -48,12 +52,62 @@ def traced(policy, log):
     policy.admit = admit
 
 
+def traced_choices(policy, log):
+    """Wraps `choose`: each call's inputs and answer go to `log`."""
+    real_choose, real_costs, real_progress = policy.choose, policy._effective_costs, policy._slowest_rows_progress
+    seen = {}
+
+    def costs(*args, **kwargs):
+        out = seen["costs"] = real_costs(*args, **kwargs)
+        return out
+
+    def progress(*args, **kwargs):
+        out = seen["slowest_rows"] = real_progress(*args, **kwargs)
+        return out
+
+    def choose(request_ids, padded_batch, *args, **kwargs):
+        seen.clear()
+        shape = real_choose(request_ids, padded_batch, *args, **kwargs)
+        cls = policy._batch_class(request_ids)
+        entry = {"batch": padded_batch, "rows": len(request_ids), "choice": shape.name,
+                 "dormant_rows": len(policy.dormant.intersection(request_ids)),
+                 "acceptance": [round(a, 3) for a in cls.effective()], "seen": list(cls.seen),
+                 "prefill_rows": kwargs.get("prefill_rows", 0)}
+        if "costs" in seen:
+            entry["costs_ms"] = {s.name: round(ms, 4) for s, ms in seen["costs"].items()}
+        if "slowest_rows" in seen:
+            chain, tree = seen["slowest_rows"]
+            entry["slowest_rows_tokens"] = [round(x, 3) for x in chain]
+        log.append(entry)
+        return shape
+
+    policy._effective_costs, policy._slowest_rows_progress, policy.choose = costs, progress, choose
+
+
+def traced_acceptance(policy, by_step):
+    """Wraps `observe_step`: position 1's hits by each request's drafting-step number."""
+    real_observe = policy.observe_step
+    steps = {}
+
+    def observe_step(shape, request_ids, accept_lens):
+        if shape.drafts:
+            for rid, k in zip(request_ids, accept_lens):
+                if rid not in policy.dormant:
+                    n = steps[rid] = steps.get(rid, -1) + 1
+                    by_step.setdefault(n, []).append(int(k > 1))
+        return real_observe(shape, request_ids, accept_lens)
+
+    policy.observe_step = observe_step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--warmup-len", type=int, default=0, help="a warm-up batch of this many tokens first at each size")
+    ap.add_argument("--choices", action="store_true", help="trace every step's choice too")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     target, head = demo_model_paths()
@@ -63,20 +117,31 @@ def main():
                     speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                     max_running_requests=max_bs, context_length=context, max_total_tokens=max_bs * (context + 64),
                     cuda_graph_max_bs=max_bs)
-    log = []
-    traced(engine.runner.spec.policy, log)
+    log, choices, by_step = [], [], {}
+    policy = engine.runner.spec.policy
+    traced(policy, log)
+    if ns.choices:
+        traced_choices(policy, choices)
+    traced_acceptance(policy, by_step)
     runs = []
     try:
         for b in ns.batch_sizes:
             prompts = random_prompts(b, ns.input_len, engine.arch.vocab_size, seed=0)
+            if ns.warmup_len:
+                run_batch(engine, prompts, ns.warmup_len)
             for i in range(ns.runs):
-                start = len(log)
+                start, first_choice = len(log), len(choices)
+                by_step.clear()
                 metrics, _ = run_batch(engine, prompts, ns.output_len)
                 admitted = log[start:]
                 runs.append({"batch": b, "run": i, "iteration_ms": metrics.iteration_ms,
                              "steps_by_depth": metrics.steps_by_depth, "dormant": sum(e["dormant"] for e in admitted),
-                             "first_admission": admitted[0] if admitted else None})
-                print(json.dumps(runs[-1]), flush=True)
+                             "first_admission": admitted[0] if admitted else None,
+                             # step number -> [rows that drafted then, of them accepting position 1]
+                             "position1_by_step": {n: [len(h), sum(h)] for n, h in sorted(by_step.items())}})
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "position1_by_step"}), flush=True)
+                if ns.choices:
+                    runs[-1]["choices"] = choices[first_choice:]
     finally:
         engine.shutdown()
     if ns.out:
