@@ -1033,6 +1033,86 @@ def test_a_batch_job_is_judged_by_what_its_size_made_before():
     assert not job.admit("alone again", 1, finish_together=True)
 
 
+def test_where_depth_0_and_the_dormant_step_disagree_the_one_timed_last_is_believed():
+    """The demo pair at batch 32 on an H200 (policy-trace-demo-h200-414a194.json): replays 0.2506 / 0.4592 /
+    0.5191 / 0.6093 ms at depth 0..3, the dormant step's 0.2301. A warm-up batch whose one drafting row (a
+    sentinel) kept depth 0 running took 0.86 ms a step online for 12 steps; clipped at 1.25 times the cost so
+    far, they left depth 0's cost at 0.307. Then a batch ran dormant, 96 steps at 0.86 ms, which took the
+    dormant step's cost to 0.81. Greedy acceptance 0.586 / 0.722 / 0.826 (2.36 tokens at depth 3). With the
+    dormant step capped at depth 0's stale cost, it saves 1 / 0.307 = 3.26 tokens a ms against a chain of
+    three's 2.36 / 0.81 = 2.91: each new request was admitted dormant, as in the record (where fixed depth
+    ran 1.42x plain). Believing the newer timing, depth 0 counts at the dormant step's 0.81 as every option
+    does, and the request drafts. Control: depth 0 run again after the dormant steps (a faster stretch of
+    the host) at 0.26 ms is believed in turn, and caps the dormant step (1 / 0.277 = 3.6 a ms against
+    2.91): dormant."""
+    d0 = DraftShape(0)
+    p = policy_with_costs({32: [0.2506, 0.4592, 0.5191, 0.6093]}, probe_every=10**9)
+    p.observe_dormant_time(32, 0.2301, weight=1.0)
+    set_acceptance(p, [0.586, 0.722, 0.826])
+    for _ in range(12):
+        p._count_step(32, d0, 1)  # (the warm-up's depth-0 steps, as `choose` counts them)
+        p.observe_time(32, d0, 0.86)
+    assert p.cost_ms[(32, d0)] == pytest.approx(0.307, abs=1e-3)
+    for _ in range(96):
+        p.observe_dormant_time(32, 0.86)
+    assert p.host_bound_ms(32) == pytest.approx(0.81, abs=1e-2)
+    assert p.depth0_ms(32) == pytest.approx(p.host_bound_ms(32))
+    assert p.dormant_step_ms(32, 0.0) == pytest.approx(p.host_bound_ms(32))
+    assert not p.admit("new", 32)
+    for _ in range(20):
+        p._count_step(32, d0, 1)
+        p.observe_time(32, d0, 0.26)
+    assert p.depth0_ms(32) == pytest.approx(0.277, abs=1e-3)
+    assert p.dormant_step_ms(32, 0.0) == pytest.approx(p.depth0_ms(32))
+    assert p.admit("after", 32)
+
+
+def test_a_first_burst_borrows_the_host_share_from_depth_0_or_from_a_dormant_step_gone_stale():
+    """The demo pair on an H200 (policy-trace-demo-h200-414a194.json): batch 1's requests all drafted, so its
+    dormant step never ran online, but depth 0 did, at 0.33 ms against its 0.2164 ms replay. The first burst
+    of 8 then arrives: replays 0.2155 / 0.4179 / 0.5047 / 0.5402 ms, the dormant step's 0.2164; greedy
+    acceptance 0.817 / 0.593 / 0.418 (2.503 tokens at depth 3); each request's draft prefill costs its batch
+    0.0114 ms a step (8 rows x 128 tokens x 0.00107 ms over 96). At replays alone the dormant step saves
+    1 / (0.2164 - 0.0114) = 4.88 tokens a ms against the chain of three's 2.503 / 0.5402 = 4.63: every request
+    of the record's first batch of 8 went dormant, where fixed depth decoded 1.56x plain. With batch 1's share
+    from depth 0 (0.114 ms) the dormant step counts 0.330, 1 / 0.319 = 3.1 a ms: the request drafts. The same
+    holds for a share learned from dormant steps at batch 1 that went stale since (DORMANT_STALE_STEPS policy
+    steps of drafting there: the dormant step's own cost falls back to its replay, its share elsewhere stays).
+    Control: depth 0 at batch 1 online as fast as its replay lends no share, and the burst goes dormant."""
+    from tandem.speculative.policy import DORMANT_STALE_STEPS
+
+    def burst(depth0_online_ms=None, dormant_online_ms=None):
+        p = policy_with_costs({1: [0.2164, 0.3886, 0.452, 0.5147], 8: [0.2155, 0.4179, 0.5047, 0.5402]},
+                              probe_every=10**9)
+        p.observe_dormant_time(1, 0.1987, weight=1.0)
+        p.observe_dormant_time(8, 0.2164, weight=1.0)
+        p.observe_draft_prefill_startup([(16, 0.5), (512, 0.5 + 496 * 0.0114 * 96 / 1024)])
+        if depth0_online_ms is not None:
+            for _ in range(400):
+                p.observe_time(1, DraftShape(0), depth0_online_ms)
+        if dormant_online_ms is not None:
+            for _ in range(400):
+                p.observe_dormant_time(1, dormant_online_ms)
+            set_acceptance(p, [0.817, 0.593, 0.418])
+            for _ in range(DORMANT_STALE_STEPS):
+                p.choose(["a"], 1)
+            assert p.host_bound_ms(1) == pytest.approx(0.1987)  # (stale at its own batch)
+        set_acceptance(p, [0.817, 0.593, 0.418])
+        assert p.prefill_share_ms(8, 128, 96) == pytest.approx(0.0114, abs=1e-4)
+        return p
+
+    p = burst(depth0_online_ms=0.33)
+    assert p.host_share_elsewhere(8) == pytest.approx(0.114, abs=2e-3)
+    assert p.dormant_step_ms(8, 0.0) == pytest.approx(0.330, abs=2e-3)
+    assert not p.admit("drafts", 8, prompt_tokens=128, max_new_tokens=96)
+    stale = burst(dormant_online_ms=0.33)
+    assert stale.host_share_elsewhere(8) == pytest.approx(0.131, abs=2e-3)
+    assert not stale.admit("drafts", 8, prompt_tokens=128, max_new_tokens=96)
+    q = burst(depth0_online_ms=0.2164)
+    assert q.host_share_elsewhere(8) == pytest.approx(0.0, abs=1e-6)
+    assert q.admit("dormant", 8, prompt_tokens=128, max_new_tokens=96)
+
+
 def test_a_drafting_cost_from_its_replay_is_floored_at_the_host_bound_step_until_it_runs_online():
     """Start-up timings at batch 32 (the demo pair's graph replays on an H200): 0.2145 / 0.4466 / 0.4997 /
     0.6001 ms at depth 0..3. Online, depth 0 and the dormant step take 0.6600 ms (the host's work, which a

@@ -131,14 +131,28 @@ class CostTables:
         return costs
 
     def depth0_ms(self, table) -> float:
-        """Depth 0's cost at this table; never timed online, at no less than the host-bound step's
-        (`host_bound_ms`): where every row is dormant depth 0 does not run, and its replay alone would price
-        it, and a dormant step capped at it, at device time alone."""
+        """Depth 0's cost at this table, at no less than the host-bound step's (`host_bound_ms`) unless depth 0
+        ran here since the dormant step was last timed online. Depth 0 does all of the dormant step's work, so
+        each bounds the other (`dormant_step_ms` caps the dormant step at depth 0), and where they disagree
+        the one timed last is believed. Where every row is dormant depth 0 does not run, and its replay (or
+        online steps from a faster stretch, which the outlier clip lets rise only slowly) would price it, and
+        the dormant step capped at it, below what any step takes now: the demo pair at batch 32 on an H200
+        weighed a dormant step at depth 0's 0.25 ms replay against its own 0.86 ms online, and ran every
+        request dormant where fixed depth decoded 1.4x faster."""
         key = (table, self.options[0])
         ms = self.cost_ms[key]
-        if key in self._startup_ms and self._time_seen.get(key, 0) <= TRUSTED_OBSERVATIONS:
+        if key in self._startup_ms and self._dormant_timed_last(table):
             ms = max(ms, self.host_bound_ms(table))
         return ms
+
+    def _dormant_timed_last(self, table) -> bool:
+        """Whether the dormant step's online timing at this table is newer than depth 0's (or depth 0 never
+        ran online there)."""
+        key = (table, self.options[0])
+        if self._time_seen.get(key, 0) <= TRUSTED_OBSERVATIONS:
+            return True
+        timed_at = self._dormant_timed_at.get(table)
+        return timed_at is not None and timed_at >= self._run_at.get(key, 0)
 
     def host_bound_ms(self, table) -> float:
         """What the dormant step (plain decoding's) takes online at this table, or is expected to
@@ -146,23 +160,32 @@ class CostTables:
         dormant step was not replayed at start-up (a CPU: no floors there)."""
         return self._dormant_own_ms(table, 0.0) if table in self._dormant_startup_ms else 0.0
 
-    def _dormant_host_share(self, table) -> float | None:
-        """The dormant step's online time over its start-up timing at this table; None unless both exist."""
+    def _host_share(self, table) -> float | None:
+        """What online steps at this table took beyond their replays: the dormant step's online time over its
+        start-up timing, as learned, else depth 0's where it ran online (it does the dormant step's work and
+        more); None where neither ran online. As learned even once it is stale here (DORMANT_STALE_STEPS):
+        that rule keeps a slow stretch from pricing this table's dormant step for good, but forgetting the
+        share would leave another table's first burst at device time alone (the demo pair's batch 8 on an
+        H200, after two runs drafting: every request of the first burst of 32 admitted dormant)."""
         startup = self._dormant_startup_ms.get(table)
-        if startup is None or self._dormant_timed.get(table, 0) < 2:  # (its warm-up, then a real step)
-            return None
-        return self._dormant_own_ms(table, startup) - startup
+        if startup is not None and self._dormant_timed.get(table, 0) >= 2:  # (its warm-up, then a real step)
+            return self.dormant_cost_ms[table] - startup
+        key = (table, self.options[0])
+        depth0_startup = self._startup_ms.get(key)
+        if depth0_startup is not None and self._time_seen.get(key, 0) > TRUSTED_OBSERVATIONS + 1:
+            return self.cost_ms[key] - depth0_startup
+        return None
 
     def host_share_elsewhere(self, table) -> float:
         """For a table where neither depth 0 nor the dormant step has run online (a batch size's first burst):
-        the dormant step's host share at the nearest smaller padded batch of the same sampling mode that has
+        the host share (`_host_share`) at the nearest smaller padded batch of the same sampling mode that has
         one; 0 where none has. The host's work a step (launches, scheduling, the results' copy) grows with the
         batch, so a smaller batch's share is a lower bound; without it a first burst weighs its draft
         prefill's online time against a dormant step at device time alone, and admits every request dormant."""
         shares = {}
         for other in self._dormant_startup_ms:
             if _mode(other) == _mode(table) and _rows(other) < _rows(table):
-                share = self._dormant_host_share(other)
+                share = self._host_share(other)
                 if share is not None:
                     shares[_rows(other)] = share
         return max(0.0, shares[max(shares)]) if shares else 0.0
