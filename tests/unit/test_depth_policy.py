@@ -1035,36 +1035,62 @@ def test_a_batch_job_is_judged_by_what_its_size_made_before():
 
 def test_where_depth_0_and_the_dormant_step_disagree_the_one_timed_last_is_believed():
     """The demo pair at batch 32 on an H200 (policy-trace-demo-h200-414a194.json): replays 0.2506 / 0.4592 /
-    0.5191 / 0.6093 ms at depth 0..3, the dormant step's 0.2301. A warm-up batch whose one drafting row (a
-    sentinel) kept depth 0 running took 0.86 ms a step online for 12 steps; clipped at 1.25 times the cost so
-    far, they left depth 0's cost at 0.307. Then a batch ran dormant, 96 steps at 0.86 ms, which took the
-    dormant step's cost to 0.81. Greedy acceptance 0.586 / 0.722 / 0.826 (2.36 tokens at depth 3). With the
-    dormant step capped at depth 0's stale cost, it saves 1 / 0.307 = 3.26 tokens a ms against a chain of
-    three's 2.36 / 0.81 = 2.91: each new request was admitted dormant, as in the record (where fixed depth
-    ran 1.42x plain). Believing the newer timing, depth 0 counts at the dormant step's 0.81 as every option
-    does, and the request drafts. Control: depth 0 run again after the dormant steps (a faster stretch of
-    the host) at 0.26 ms is believed in turn, and caps the dormant step (1 / 0.277 = 3.6 a ms against
-    2.91): dormant."""
+    0.5191 / 0.6093 ms at depth 0..3, the dormant step's 0.2301. In a faster stretch of the host depth 0 ran
+    online at 0.30 ms for 12 steps (within OUTLIER_RATIO of its replay: a cost of 0.279). Then a batch ran
+    dormant at 0.86 ms a step (the host's work: it replaces the replay). Greedy acceptance 0.586 / 0.722 /
+    0.826 (2.36 tokens at depth 3). With the dormant step capped at depth 0's older cost it saves 1 / 0.279 =
+    3.58 tokens a ms against a chain of three's 2.36 / 0.86 = 2.74, and each new request was admitted dormant.
+    Believing the newer timing, depth 0 counts at the dormant step's 0.86 as every option does, and the
+    request drafts. Control: depth 0 run again after the dormant steps (another faster stretch) at 0.26 ms is
+    believed in turn and caps the dormant step (1 / 0.267 = 3.75 a ms against 2.74): dormant."""
     d0 = DraftShape(0)
     p = policy_with_costs({32: [0.2506, 0.4592, 0.5191, 0.6093]}, probe_every=10**9)
     p.observe_dormant_time(32, 0.2301, weight=1.0)
     set_acceptance(p, [0.586, 0.722, 0.826])
     for _ in range(12):
-        p._count_step(32, d0, 1)  # (the warm-up's depth-0 steps, as `choose` counts them)
-        p.observe_time(32, d0, 0.86)
-    assert p.cost_ms[(32, d0)] == pytest.approx(0.307, abs=1e-3)
+        p._count_step(32, d0, 1)  # (depth-0 steps, as `choose` counts them)
+        p.observe_time(32, d0, 0.30)
+    assert p.cost_ms[(32, d0)] == pytest.approx(0.279, abs=1e-3)
     for _ in range(96):
         p.observe_dormant_time(32, 0.86)
-    assert p.host_bound_ms(32) == pytest.approx(0.81, abs=1e-2)
-    assert p.depth0_ms(32) == pytest.approx(p.host_bound_ms(32))
-    assert p.dormant_step_ms(32, 0.0) == pytest.approx(p.host_bound_ms(32))
+    assert p.host_bound_ms(32) == pytest.approx(0.86)
+    assert p.depth0_ms(32) == pytest.approx(0.86)
+    assert p.dormant_step_ms(32, 0.0) == pytest.approx(0.86)
     assert not p.admit("new", 32)
     for _ in range(20):
         p._count_step(32, d0, 1)
         p.observe_time(32, d0, 0.26)
-    assert p.depth0_ms(32) == pytest.approx(0.277, abs=1e-3)
+    assert p.depth0_ms(32) == pytest.approx(0.267, abs=1e-3)
     assert p.dormant_step_ms(32, 0.0) == pytest.approx(p.depth0_ms(32))
     assert p.admit("after", 32)
+
+
+def test_online_steps_well_beyond_a_replay_replace_it_and_one_alone_is_a_stall():
+    """The demo pair at batch 32 on an H200: depth 0 replays in 0.2506 ms, and every online step takes 0.86
+    (launches, scheduling and the results' copy: the host's work, which a replay leaves out). Two such
+    steps in a row (REPLAY_DISAGREEMENTS) replace the replay; clipped at OUTLIER_RATIO times the cost so far
+    instead, the cost rose 1.25% a step (0.307 after 12 steps) and priced depth 0, and the dormant step
+    capped at it, at a third of what they took. One step beyond it between steps that agree with the replay
+    is a stall and is clipped (the cost stays within 1.25x of the replay), and a fall back to device time
+    later is followed as any fall is. The dormant step's own replay is replaced the same way."""
+    d0 = DraftShape(0)
+    p = policy_with_costs({32: [0.2506, 0.4592, 0.5191, 0.6093]}, probe_every=10**9)
+    p.observe_dormant_time(32, 0.2301, weight=1.0)
+    p.observe_time(32, d0, 0.86)
+    assert p.cost_ms[(32, d0)] < 0.26  # (one step: perhaps a stall)
+    p.observe_time(32, d0, 0.86)
+    assert p.cost_ms[(32, d0)] == pytest.approx(0.86)
+    for _ in range(200):
+        p.observe_time(32, d0, 0.25)
+    assert p.cost_ms[(32, d0)] == pytest.approx(0.25, abs=1e-3)
+    p.observe_dormant_time(32, 0.86)
+    p.observe_dormant_time(32, 0.86)
+    assert p.dormant_cost_ms[32] == pytest.approx(0.86)
+    # Control: a stall between steps that agree with the replay is clipped, and the replay stands.
+    q = policy_with_costs({32: [0.2506, 0.4592, 0.5191, 0.6093]}, probe_every=10**9)
+    for ms in (0.26, 0.86, 0.26, 0.86, 0.26):
+        q.observe_time(32, d0, ms)
+    assert q.cost_ms[(32, d0)] < 0.2506 * 1.25
 
 
 def test_a_first_burst_borrows_the_host_share_from_depth_0_or_from_a_dormant_step_gone_stale():

@@ -65,6 +65,10 @@ class DepthPolicy(AcceptanceEstimates, CostTables, Dormancy, Cohorts):
         self.cost_ms: dict[tuple, float] = {}  # (table, shape) -> iteration time
         self._time_seen: dict[tuple, int] = {}  # observations behind each cost
         self._startup_ms: dict[tuple, float] = {}  # (table, shape) -> its start-up timing
+        # (table, shape), or ("dormant", table): online steps in a row beyond OUTLIER_RATIO x the start-up timing,
+        # and the keys whose start-up timing online steps have replaced (`_replay_left_out_host_work`)
+        self._over_replay: dict = {}
+        self._replay_replaced: set = set()
         self._last_choice: dict = {}  # table (or ("with prompts", table)) -> the last choice there
         # padded batch -> ms of catch-up per deferred step: a depth-0 step's true cost includes it
         self.catch_up_per_step_ms: dict = {}

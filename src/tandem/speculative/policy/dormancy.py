@@ -223,7 +223,8 @@ class Dormancy:
         start-up (a CPU, a batch size without graphs) the first online step is often its warm-up, as an
         option's is (`observe_time`): the second replaces it, then a mean of the steps so far until the
         moving average weighs more (a warm-up step taken as it came makes the dormant step look dearer than
-        plain decoding's, and drafting worth keeping). In the sampling mode's table (`mode`), as the options'
+        plain decoding's, and drafting worth keeping). Online steps well beyond the start-up timing replace it,
+        as an option's do (`_replay_left_out_host_work`). In the sampling mode's table (`mode`), as the options'
         costs."""
         table = cost_table(padded_batch, mode)
         old = self.dormant_cost_ms.get(table)
@@ -234,6 +235,9 @@ class Dormancy:
         self._dormant_timed_at[table] = self._steps.get(table, 0)
         count = self._dormant_timed.get(table, 0)  # online steps before this one
         self._dormant_timed[table] = count + 1
+        if self._replay_left_out_host_work(("dormant", table), self._dormant_startup_ms.get(table), ms):
+            self.dormant_cost_ms[table] = ms
+            return
         if table in self._dormant_startup_ms:
             if count == 0:  # (the moving average starts from what the choice counted so far)
                 old = self._scaled_startup_dormant_ms(table)
