@@ -20,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench.demo_batches import add_batch_arguments, demo_engine_kwargs  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
-from tandem.demo import demo_model_paths  # noqa: E402
 from tandem.speculative.policy import cost_table, expected_by_depth  # noqa: E402
 
 
@@ -102,21 +102,11 @@ def traced_acceptance(policy, by_step):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=96)
-    ap.add_argument("--warmup-len", type=int, default=0, help="a warm-up batch of this many tokens first at each size")
+    add_batch_arguments(ap)
     ap.add_argument("--choices", action="store_true", help="trace every step's choice too")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
-    target, head = demo_model_paths()
-    max_bs = max(ns.batch_sizes)
-    context = ns.input_len + ns.output_len + 16
-    engine = Engine(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                    speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                    max_running_requests=max_bs, context_length=context, max_total_tokens=max_bs * (context + 64),
-                    cuda_graph_max_bs=max_bs)
+    engine = Engine(**demo_engine_kwargs(ns.batch_sizes, ns.input_len, ns.output_len))
     log, choices, by_step = [], [], {}
     policy = engine.runner.spec.policy
     traced(policy, log)

@@ -30,8 +30,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench.demo_batches import add_batch_arguments, demo_engine_kwargs  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
-from tandem.demo import demo_model_paths  # noqa: E402
 from tandem.speculative.policy.shape import DraftShape  # noqa: E402
 
 # Padded batch sizes with CUDA graphs (the worker pads a batch to the next one, as on the GPU).
@@ -143,23 +143,14 @@ class ModelledClock:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=96)
-    ap.add_argument("--warmup-len", type=int, default=8, help="a warm-up batch of this many tokens at each size")
+    add_batch_arguments(ap, warmup_len=8)
     ap.add_argument("--model", choices=sorted(MODELS), default="h200-fast-host")
     ap.add_argument("--label", default=None, help="kept in the record (which policy ran, for comparisons)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     MODEL.clear()
     MODEL.update(MODELS[ns.model])
-    target, head = demo_model_paths()
-    max_bs = max(ns.batch_sizes)
-    context = ns.input_len + ns.output_len + 16
-    kw = dict(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-              speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-              max_running_requests=max_bs, context_length=context, max_total_tokens=max_bs * (context + 64))
+    kw = demo_engine_kwargs(ns.batch_sizes, ns.input_len, ns.output_len)
     engines = {"adaptive": Engine(**kw, speculative_adaptive=True), "fixed": Engine(**kw, speculative_adaptive=False)}
     clocks = {name: ModelledClock(engine) for name, engine in engines.items()}
     rows = []
