@@ -11,8 +11,8 @@ For each engine (prefix cache on / off, x speculation on / off) the record holds
 token, its cached prompt tokens, its acceptance lengths and the wall time; the summary compares turns 2..N
 (the ones with history to reuse) with and without the cache. `--workload no-reuse` sends fresh random
 prompts of the same lengths instead, to price the cache where nothing is shared. With `--repeats N` every
-engine runs N times, cache on and off taking turns at going first (the first engine of a process pays for
-compiles the warm-up did not need, a cost larger than the cache's own); the summary is each metric's median.
+engine runs N times, cache on and off taking turns at going first (the first engine of a process may pay for
+compiles its warm-up did not need, which would land on one side alone); the summary is each metric's median.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class MultiTurnConfig:
     user_len: int = 128
     answer_len: int = 128
     spec: str = "both"  # both | on | off
-    # Runs of every engine; cache on goes first in odd runs and second in even ones, so that what the first
+    # Runs of every engine; cache on goes first in odd runs and second in even ones, so that whatever the first
     # engine of a process pays (compiles for shapes the warm-up did not see) falls on both.
     repeats: int = 1
     synthetic_acceptance: float | tuple[float, ...] | None = None

@@ -64,7 +64,8 @@ class CostTables:
         """One step's time. `weight` (start-up timing over several graph replays) sets a trusted value.
         Online, the first observation of an option at a batch size is often its warm-up (lazy
         initialisation, first-call allocation): the second replaces it, then a mean of the observations
-        so far, then a moving average, each observation at most OUTLIER_RATIO times the cost so far."""
+        so far, then a moving average, each observation at most OUTLIER_RATIO times the cost so far. Over a
+        start-up timing, REPLAY_DISAGREEMENTS steps in a row beyond that replace it instead."""
         key = (cost_table(padded_batch, mode), shape)
         old = self.cost_ms.get(key)
         count = self._time_seen.get(key, 0)
