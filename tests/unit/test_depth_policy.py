@@ -1033,6 +1033,27 @@ def test_a_batch_job_is_judged_by_what_its_size_made_before():
     assert not job.admit("alone again", 1, finish_together=True)
 
 
+def test_a_running_request_is_demoted_by_its_own_rates_once_it_has_them():
+    """The demo pair alone on a fast-host H200, as bench/policy_clock.py models it: online costs 0.303 /
+    0.427 / 0.497 / 0.566 ms at depth 0..3, a dormant step 0.223. The class's rates, 0.8 / 0.6 / 0.5, come
+    mostly from the late, repetitive part of answers: at them a chain of two gives 2.28 / 0.497 = 4.59 tokens
+    a ms against the dormant step's 4.48, so drafting looks worth keeping. The request's own 16 steps at a
+    chain of two accepted position 1 six times and position 2 three times of six: about 1.56 tokens a step,
+    3.1 a ms at best, and it is demoted. Control: a request whose own steps accepted position 1 fourteen
+    times keeps its draft; and one with no steps of its own is judged at the class's rates, as before."""
+    def policy_after(hits1: int, hits2: int) -> DepthPolicy:
+        p = policy_with_costs({1: [0.303, 0.427, 0.497, 0.566]}, probe_every=10**9)
+        p.observe_dormant_time(1, 0.223, weight=1.0)
+        lens = [1] * (16 - hits1) + [2] * (hits1 - hits2) + [3] * hits2
+        p.observe_step(DraftShape(2), ["r"] * 16, lens)
+        set_acceptance(p, [0.8, 0.6, 0.5])
+        return p
+
+    assert policy_after(6, 3).demote(["r"], 1) == ["r"]
+    assert policy_after(14, 10).demote(["r"], 1) == []
+    assert policy_after(6, 3).demote(["fresh"], 1) == []
+
+
 def test_where_depth_0_and_the_dormant_step_disagree_the_one_timed_last_is_believed():
     """The demo pair at batch 32 on an H200 (policy-trace-demo-h200-414a194.json): replays 0.2506 / 0.4592 /
     0.5191 / 0.6093 ms at depth 0..3, the dormant step's 0.2301. In a faster stretch of the host depth 0 ran

@@ -127,7 +127,7 @@ class Dormancy:
         for sampled in (False, True):
             rows = [rid for rid in keeping if (rid in self.sampled) == sampled]
             if (rows and self._evidence_enough(table, sampled)
-                    and self._drafting_cannot_pay(table, sampled=sampled)):
+                    and self._drafting_cannot_pay(table, sampled=sampled, rows=rows)):
                 dropped += rows
         if dropped:
             self.dormant.update(dropped)
@@ -141,7 +141,7 @@ class Dormancy:
                 or self._undrafted_steps.get((sampled, table), 0) >= DORMANT_SETTLED_STEPS)
 
     def _drafting_cannot_pay(self, table, upkeep_ms: float = 0.0, sampled: bool = False,
-                             slowest: list[float] | None = None) -> bool:
+                             slowest: list[float] | None = None, rows=None) -> bool:
         """Whether no drafting option beats a dormant row's step at this batch even if position 1's rate
         were as high as its observations allow (`optimistic_acceptance`), or, once position 1 has been
         observed DORMANT_SETTLED_OBSERVATIONS times or the batch has chosen depth 0 for
@@ -150,7 +150,13 @@ class Dormancy:
         `upkeep_ms`: what keeping the drafts costs per step besides (new requests' draft prefill): drafting
         must then save that much of a dormant step's time to pay. At the acceptance of a sampling class
         (`sampled`); each depth's expected tokens at no more than `slowest`'s where given (the slowest row's,
-        SLOWEST_ROW_REQUESTS_KEPT). `table`: the cost table (padded batch and sampling mode, `cost_table`)."""
+        SLOWEST_ROW_REQUESTS_KEPT). `table`: the cost table (padded batch and sampling mode, `cost_table`).
+        `rows`: running requests to judge at their mean expected tokens, each at its own rates where it has
+        observations enough (`_expected_of`, as the choice weighs it), else at the class's as above.
+        Demotion judged at the class's rates alone kept a request drafting that its own steps showed could
+        not pay: the demo pair at batch 1 on a modelled fast-host H200 (bench/policy_clock.py) drafted at
+        0.88-0.91x plain decoding's speed where fixed depth ran 0.89x, because the class's rates come mostly
+        from the late, repetitive part of each answer; judged by its own, it ran dormant at 0.93-0.99x."""
         if any((table, shape) not in self.cost_ms for shape in self.options):
             return False
         costs = self._floored_costs(table)
@@ -163,6 +169,10 @@ class Dormancy:
         population = self.population_expected(sampled)
         if population is not None:
             expected = [max(e, p) for e, p in zip(expected, population)]
+        if rows:
+            # (a row without evidence of its own counts at the class's, as judged above)
+            per_row = [self._expected_of(rid) if self._has_own_rates(rid) else expected for rid in rows]
+            expected = [sum(col) / len(rows) for col in zip(*per_row)]
         if slowest is not None:
             expected = [min(e, own) for e, own in zip(expected, slowest)]
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
