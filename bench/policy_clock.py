@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
 from tandem.bench.demo_batches import add_batch_arguments, demo_engine_kwargs  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
+from tandem.layers.sampler import GRAPHED_SAMPLING, step_mode  # noqa: E402
 from tandem.speculative.policy.shape import DraftShape  # noqa: E402
 
 # Padded batch sizes with CUDA graphs (the worker pads a batch to the next one, as on the GPU).
@@ -122,18 +123,21 @@ class ModelledClock:
 
     def _install_startup(self, policy) -> None:
         window = self.worker.pool.catch_up_window
+        # (every graphed sampling mode at the greedy one's costs: sampled steps ran within 1.04x of them)
+        modes = [step_mode(features) for features in GRAPHED_SAMPLING]
         for b in GRAPH_SIZES:
-            for d, ms in enumerate(_at(MODEL["replay"], b)):
-                policy.observe_time(b, DraftShape(d), ms, weight=1.0)
-            policy.observe_dormant_time(b, _at(MODEL["dormant_replay"], b), weight=1.0)
+            for mode in modes:
+                for d, ms in enumerate(_at(MODEL["replay"], b)):
+                    policy.observe_time(b, DraftShape(d), ms, weight=1.0, mode=mode)
+                policy.observe_dormant_time(b, _at(MODEL["dormant_replay"], b), weight=1.0, mode=mode)
             self.worker.catch_up_ms[b] = _at(MODEL["catch_up"], b)
             policy.observe_catch_up(b, self.worker.catch_up_ms[b] / window)
         policy.observe_draft_prefill_startup(MODEL["draft_prefill_startup"])
 
-    def run(self, prompts, output_len: int) -> dict:
+    def run(self, prompts, output_len: int, temperature: float = 0.0) -> dict:
         """One batch run; its decode steps' modelled time and what ran."""
         self.decode_ms, self.steps = 0.0, []
-        metrics, _ = run_batch(self.engine, prompts, output_len)
+        metrics, _ = run_batch(self.engine, prompts, output_len, temperature=temperature)
         by_shape = {}
         for _, name in self.steps:
             by_shape[name] = by_shape.get(name, 0) + 1
@@ -145,6 +149,7 @@ def main():
     ap = argparse.ArgumentParser()
     add_batch_arguments(ap, warmup_len=8)
     ap.add_argument("--model", choices=sorted(MODELS), default="h200-fast-host")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--label", default=None, help="kept in the record (which policy ran, for comparisons)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
@@ -159,9 +164,9 @@ def main():
             prompts = random_prompts(b, ns.input_len, engines["adaptive"].arch.vocab_size, seed=0)
             for clock in clocks.values():
                 if ns.warmup_len:
-                    clock.run(prompts, ns.warmup_len)
+                    clock.run(prompts, ns.warmup_len, ns.temperature)
             for i in range(ns.runs):
-                runs = {name: clock.run(prompts, ns.output_len) for name, clock in clocks.items()}
+                runs = {name: clock.run(prompts, ns.output_len, ns.temperature) for name, clock in clocks.items()}
                 tokens = b * (ns.output_len - 1)  # (decode steps follow every row's first token)
                 plain_ms = (ns.output_len - 1) * online_ms(_padded(b), None)
                 row = {"batch": b, "run": i, **runs, "plain_decode_ms": round(plain_ms, 3)}
@@ -180,6 +185,7 @@ def main():
         with open(ns.out, "w") as f:
             json.dump({"tool": "bench/policy_clock.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "command": "python " + " ".join(sys.argv), "label": ns.label, "model_name": ns.model,
+                       "temperature": ns.temperature,
                        "model": MODEL, "graph_sizes": GRAPH_SIZES, "rows": rows}, f, separators=(",", ":"))
 
 
