@@ -134,10 +134,13 @@ class ModelledClock:
             policy.observe_catch_up(b, self.worker.catch_up_ms[b] / window)
         policy.observe_draft_prefill_startup(MODEL["draft_prefill_startup"])
 
-    def run(self, prompts, output_len: int, temperature: float = 0.0) -> dict:
-        """One batch run; its decode steps' modelled time and what ran."""
+    def run(self, prompts, output_len: int, temperature: float = 0.0, seed: int = 0) -> dict:
+        """One batch run; its decode steps' modelled time and what ran. Sampled runs are seeded, so every
+        engine and every policy tried draws the same tokens (seeded speculative sampling gives plain
+        decoding's)."""
         self.decode_ms, self.steps = 0.0, []
-        metrics, _ = run_batch(self.engine, prompts, output_len, temperature=temperature)
+        sampling = {"seed": seed} if temperature > 0 else {}
+        metrics, _ = run_batch(self.engine, prompts, output_len, temperature=temperature, **sampling)
         by_shape = {}
         for _, name in self.steps:
             by_shape[name] = by_shape.get(name, 0) + 1
@@ -164,9 +167,10 @@ def main():
             prompts = random_prompts(b, ns.input_len, engines["adaptive"].arch.vocab_size, seed=0)
             for clock in clocks.values():
                 if ns.warmup_len:
-                    clock.run(prompts, ns.warmup_len, ns.temperature)
+                    clock.run(prompts, ns.warmup_len, ns.temperature, seed=b)
             for i in range(ns.runs):
-                runs = {name: clock.run(prompts, ns.output_len, ns.temperature) for name, clock in clocks.items()}
+                runs = {name: clock.run(prompts, ns.output_len, ns.temperature, seed=1000 * b + i)
+                        for name, clock in clocks.items()}
                 tokens = b * (ns.output_len - 1)  # (decode steps follow every row's first token)
                 plain_ms = (ns.output_len - 1) * online_ms(_padded(b), None)
                 row = {"batch": b, "run": i, **runs, "plain_decode_ms": round(plain_ms, 3)}
