@@ -13,7 +13,8 @@
 #   overlap      bench/overlap_bench.py: iteration time, GPU idle time, kernels by kind (the bandwidth floor)
 #   sampling8b   bench/sampling_bench.py, 8B shape: sampled iterations against greedy ones
 #   sweep        tandem bench --sweep: plain, fixed and adaptive depth over acceptance x batch x temperature
-#   samplingdemo bench/sampling_bench.py, demo pair: adaptive and fixed depth against plain, per sampling mode
+#   samplingdemo bench/sampling_bench.py, demo pair: adaptive and fixed depth against plain, per sampling mode;
+#                and bench/admission_trace.py --choices, the policy's inputs step by step
 #   ttft         bench/ttft_profile.py: where the time to first token goes
 #   structured   tandem bench on the demo pair with and without a JSON schema (needs xgrammar)
 #   constants    the measurements code constants rest on: depth 0's cost, sampling kernel pivot rounds, top-k cut
@@ -101,6 +102,11 @@ if wanted samplingdemo; then
     TAIL=20 part samplingdemo $PY bench/sampling_bench.py --shapes demo \
         $(q "--batch-sizes 1 8 32 --repeats 5" "--batch-sizes 1 8 --repeats 1 --output-len 32") \
         --out "$OUT/sampling-demo.json"
+    # Every admission and choice of the adaptive policy, as the bench above warms up (what its rows rest on).
+    # shellcheck disable=SC2046
+    part policytrace $PY bench/admission_trace.py --choices --warmup-len 8 \
+        $(q "--batch-sizes 1 8 32 --runs 3" "--batch-sizes 1 8 --runs 1 --output-len 32") \
+        --out "$OUT/policy-trace-demo.json"
 fi
 if wanted ttft; then
     part ttft $PY bench/ttft_profile.py --overlap-only --top 8 --out "$OUT/ttft-profile-llama-3.1-8b.json"
