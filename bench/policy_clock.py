@@ -50,12 +50,14 @@ FAST_HOST = {
     "drafting_host_extra": 0.15,
     # online device time over a replay (fixed depth at batch 1 and 8: 0.563 and 0.600 ms against 0.515, 0.540)
     "device_overhead": 1.1,
-    # the draft's prefill call: start-up timings (tokens, ms), and online ms = fixed + per token x tokens
-    # (fixed depth's two prompt steps at batch 32 took 14.5 and 13.4 ms against plain's 9.4 and 8.7: about
-    # 2.4 us a prompt token)
+    # the draft's prefill call: start-up timings (tokens, ms; not recorded: assumed 0.5 ms fixed and 0.24 us a
+    # token of device work), and online ms = fixed + per token x tokens (the per-token part from fixed depth's
+    # two prompt steps at batch 32, 14.5 and 13.4 ms against plain's 9.4 and 8.7: about 2.4 us a prompt token;
+    # the fixed part assumed)
     "draft_prefill_startup": [(16, 0.5), (512, 0.62)],
     "draft_prefill_online": (1.0, 0.0024),
-    # a catch-up call (the whole window), ms
+    # a catch-up call (the whole window of 32 steps), ms: the recorded catch-up share, 0.0038 / 0.0043 /
+    # 0.0053 ms a deferred step, times 32
     "catch_up": {1: 0.12, 8: 0.14, 32: 0.17},
 }
 # Plain decoding 0.383 / 0.584 / 1.327 ms at batch 1 / 8 / 32 and fixed depth 0.5545 / 0.6225 / 1.4521: drafting's
