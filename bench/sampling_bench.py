@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
 from tandem.bench import report  # noqa: E402
+from tandem.bench.demo_batches import chain3_engine_kwargs  # noqa: E402
 from tandem.bench.measure import median_of_runs, random_prompts, run_batch  # noqa: E402
 from tandem.bench.presets import write_preset  # noqa: E402
 from tandem.demo import demo_model_paths  # noqa: E402
@@ -37,14 +38,8 @@ MODES = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "t1_top_p
 
 def engine_kwargs(shape: str, root: str, max_bs: int, context: int) -> dict:
     if shape == "demo":
-        target, head = demo_model_paths()
-        kw = dict(model_path=target, speculative_draft_model_path=head)
-    else:
-        target, head = write_preset(shape, root)
-        kw = dict(model_path=target, speculative_draft_model_path=head, load_format="dummy")
-    return dict(kw, speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
-                speculative_num_draft_tokens=4, max_running_requests=max_bs, context_length=context,
-                max_total_tokens=max_bs * (context + 64), cuda_graph_max_bs=max_bs)
+        return chain3_engine_kwargs(*demo_model_paths(), max_bs, context)
+    return dict(chain3_engine_kwargs(*write_preset(shape, root), max_bs, context), load_format="dummy")
 
 
 def measure(kw: dict, sizes, input_len: int, output_len: int, repeats: int) -> dict[str, dict]:

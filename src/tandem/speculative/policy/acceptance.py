@@ -201,9 +201,8 @@ class AcceptanceEstimates:
         with the prior (as prior_weight observations) while that weighs more than the decay."""
         return max(self.decay, new / (seen + new + self.prior_weight))
 
-    def _has_own_rates(self, request_id) -> bool:
+    def _has_own_rates(self, req: _RequestRates | None) -> bool:
         """Whether `_expected_of` goes by the request's own observations (any of them) rather than its class's."""
-        req = self._requests.get(request_id)
         return req is not None and (req.drafting_steps >= self.min_request_obs or True in req.outside)
 
     def _expected_of(self, request_id) -> list[float]:
@@ -217,7 +216,7 @@ class AcceptanceEstimates:
         if request_id in self.dormant:
             return self._accept_nothing
         req = self._requests.get(request_id)
-        if not self._has_own_rates(request_id):
+        if not self._has_own_rates(req):
             cls = self._class_of(request_id)  # (the usual case, and the cheap one: the class's, cached there)
             if cls.expected is None:
                 cls.expected = expected_by_depth(cls.effective())

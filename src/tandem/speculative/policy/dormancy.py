@@ -53,6 +53,11 @@ DORMANT_POPULATION_MIN_REQUESTS = 3
 DORMANT_STALE_STEPS = REFRESH_EVERY
 
 
+def _column_means(rows) -> list[float]:
+    """At each depth, the mean over the rows of their expected tokens there."""
+    return [sum(col) / len(rows) for col in zip(*rows)]
+
+
 def _sentinel_every() -> int:
     """SENTINEL_EVERY as the package holds it now (`tandem.speculative.policy.SENTINEL_EVERY`)."""
     return sys.modules[__package__].SENTINEL_EVERY
@@ -171,8 +176,9 @@ class Dormancy:
             expected = [max(e, p) for e, p in zip(expected, population)]
         if rows:
             # (a row without evidence of its own counts at the class's, as judged above)
-            per_row = [self._expected_of(rid) if self._has_own_rates(rid) else expected for rid in rows]
-            expected = [sum(col) / len(rows) for col in zip(*per_row)]
+            per_row = [self._expected_of(rid) if self._has_own_rates(self._requests.get(rid)) else expected
+                       for rid in rows]
+            expected = _column_means(per_row)
         if slowest is not None:
             expected = [min(e, own) for e, own in zip(expected, slowest)]
         # The tree's accept length, scaled as much as optimism scales the deepest chain's.
@@ -188,7 +194,7 @@ class Dormancy:
         finished = list(self._finished_expected[sampled])[-DORMANT_POPULATION_REQUESTS:]
         if len(finished) < DORMANT_POPULATION_MIN_REQUESTS:
             return None
-        return [sum(col) / len(finished) for col in zip(*finished)]
+        return _column_means(finished)
 
     def optimistic_acceptance(self, sampled: bool | None = None) -> list[float]:
         """The engine's a_1..a_D with a_1 at the upper end of its one-sided Wilson interval (z =
