@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from tandem import Engine  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.demo_batches import add_batch_arguments, demo_engine_kwargs  # noqa: E402
 from tandem.bench.measure import random_prompts, run_batch  # noqa: E402
 from tandem.speculative.policy import cost_table, expected_by_depth  # noqa: E402
@@ -137,6 +138,7 @@ def main():
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"tool": "bench/admission_trace.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "commit": report.revision(),
                        "command": "python " + " ".join(sys.argv), "runs": runs}, f, indent=1)
 
 

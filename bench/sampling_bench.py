@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median is reported")
     ns = ap.parse_args()
-    result = {"tool": "bench/sampling_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    result = {"tool": "bench/sampling_bench.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": report.revision(),
               "command": ["python", *sys.argv], "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "modes": MODES, "shapes": {}}

@@ -12,7 +12,8 @@ from tandem.bench.multi_turn import MultiTurnConfig, run_multi_turn
 PAGE = 16  # the engine's default page size
 
 
-def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path):
+def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_RECORD_COMMIT", "abc1234")
     cfg = MultiTurnConfig(engine_kwargs={"device": "cpu", "dtype": "float32"}, preset="tiny-test", conversations=3,
                           turns=3, system_len=40, user_len=10, answer_len=12, spec="off", progress=False,
                           repeats=2, out=str(tmp_path / "mt.json"))
@@ -28,7 +29,9 @@ def test_multi_turn_hits_are_the_previous_turns_full_pages(tmp_path):
             computed = r["prompt_tokens"] - cfg.user_len - 1  # the previous prompt and answer, less its last token
             assert r["cached_tokens"] == computed // PAGE * PAGE, r
     assert result["summary"]["spec_off/cache_on"]["hit_rate"] > 0.5
-    assert json.load(open(tmp_path / "mt.json"))["workload"] == "multi-turn"
+    record = json.load(open(tmp_path / "mt.json"))
+    assert record["workload"] == "multi-turn"
+    assert record["commit"] == "abc1234" and record["device"] == "cpu"  # named by TANDEM_RECORD_COMMIT
     # Two runs of each engine, the cache's turn at going first alternating; each run's hits are the same.
     assert result["engine_order"] == ["spec_off/cache_on", "spec_off/cache_off", "spec_off/cache_off",
                                       "spec_off/cache_on"]

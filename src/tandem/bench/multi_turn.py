@@ -159,7 +159,9 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
     modes = [m for m, wanted in modes if wanted]
     engines = [(r, m, cache) for r in range(cfg.repeats) for m in modes
                for cache in (("cache_on", "cache_off") if r % 2 == 0 else ("cache_off", "cache_on"))]
-    result = {"workload": cfg.workload, "command": cfg.command, "config": {
+    result = {"workload": cfg.workload, "commit": report.revision(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "command": cfg.command, "config": {
         k: getattr(cfg, k) for k in ("conversations", "turns", "system_len", "user_len", "answer_len", "spec",
                                      "synthetic_acceptance", "seed", "preset", "repeats")},
         "runs": {}, "summary": {}, "engine_order": [], "repeat_runs": {}, "repeat_summaries": {}}
@@ -206,7 +208,7 @@ def run_multi_turn(cfg: MultiTurnConfig) -> dict:
                                   for r in range(cfg.repeats)]
     if cfg.synthetic_acceptance is not None:
         result["label"] = synthetic.LABEL
-    out = cfg.out or os.path.join("bench", "results", f"{cfg.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = cfg.out or report.default_out(cfg.workload)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     result["json"] = out
     report.write_json(result, out)
