@@ -8,7 +8,8 @@ does), and records at each admission (`DepthPolicy.admit`) the cost table the de
 cost floored at the host-bound step's, the dormant step's, depth 0's), the engine-wide acceptance as
 estimated and as optimism allows, the draft prefill's share, and the answer. With --choices, every step's
 choice too (`DepthPolicy.choose`): the batch's acceptance and observations, the tokens each depth is
-expected to make and the costs it was weighed at (`_effective_costs`), and the answer. Each run also
+expected to make and the costs it was weighed at (`_effective_costs`), and the answer; and every online step
+time the policy is told (`step_times`). Each run also
 records the acceptance of position 1 by the requests' step number (what their drafting steps showed).
 """
 
@@ -85,6 +86,24 @@ def traced_choices(policy, log):
     policy._effective_costs, policy._slowest_rows_progress, policy.choose = costs, progress, choose
 
 
+def traced_times(policy, log):
+    """Wraps `observe_time` and `observe_dormant_time`: each online step time the policy is told (start-up
+    timings left out), as [option or "dormant", padded batch, sampling mode, ms], in arrival order."""
+    real_time, real_dormant = policy.observe_time, policy.observe_dormant_time
+
+    def observe_time(padded_batch, shape, ms, weight=None, mode="greedy"):
+        if weight is None:
+            log.append([shape.name, padded_batch, mode, round(ms, 4)])
+        return real_time(padded_batch, shape, ms, weight=weight, mode=mode)
+
+    def observe_dormant_time(padded_batch, ms, weight=None, mode="greedy"):
+        if weight is None:
+            log.append(["dormant", padded_batch, mode, round(ms, 4)])
+        return real_dormant(padded_batch, ms, weight=weight, mode=mode)
+
+    policy.observe_time, policy.observe_dormant_time = observe_time, observe_dormant_time
+
+
 def traced_acceptance(policy, by_step):
     """Wraps `observe_step`: position 1's hits by each request's drafting-step number."""
     real_observe = policy.observe_step
@@ -108,11 +127,12 @@ def main():
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     engine = Engine(**demo_engine_kwargs(ns.batch_sizes, ns.input_len, ns.output_len))
-    log, choices, by_step = [], [], {}
+    log, choices, by_step, times = [], [], {}, []
     policy = engine.runner.spec.policy
     traced(policy, log)
     if ns.choices:
         traced_choices(policy, choices)
+        traced_times(policy, times)
     traced_acceptance(policy, by_step)
     runs = []
     try:
@@ -121,7 +141,7 @@ def main():
             if ns.warmup_len:
                 run_batch(engine, prompts, ns.warmup_len)
             for i in range(ns.runs):
-                start, first_choice = len(log), len(choices)
+                start, first_choice, first_time = len(log), len(choices), len(times)
                 by_step.clear()
                 metrics, _ = run_batch(engine, prompts, ns.output_len)
                 admitted = log[start:]
@@ -133,6 +153,7 @@ def main():
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "position1_by_step"}), flush=True)
                 if ns.choices:
                     runs[-1]["choices"] = choices[first_choice:]
+                    runs[-1]["step_times"] = times[first_time:]
     finally:
         engine.shutdown()
     if ns.out:
